@@ -1,0 +1,94 @@
+"""Activation checkpointing switched on and off for a plan, leaving the model as it was found.
+
+Hugging Face models use their own switch (non-reentrant, so it composes with autocast and frozen
+inputs). Other models get the blocks of their largest ModuleList/Sequential wrapped: each block's
+forward is recomputed in backward by `torch.utils.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+_KWARGS = {"use_reentrant": False}
+
+
+def _hf_state(model):
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return None
+
+
+def _hf_switch(model, on: bool) -> None:
+    if on:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(_KWARGS))
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_KWARGS))
+    else:
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+
+
+def _is_hf(model) -> bool:
+    return getattr(model, "supports_gradient_checkpointing", False) and _hf_state(model) is not None
+
+
+def largest_block_list(model: torch.nn.Module):
+    """The ModuleList/Sequential with the most parameters: the repeated blocks worth recomputing."""
+    best, best_size = None, 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) > 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = module, size
+    return best
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, **kwargs, **_KWARGS)
+    run.__autofit_checkpoint__ = True
+    return run
+
+
+class Checkpointing:
+    """Tracks the model's own setting so the run can switch per plan and restore at the end."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.hf = _is_hf(model)
+        self.initial = _hf_state(model) if self.hf else False
+        self.blocks = None if self.hf else largest_block_list(model)
+        self.on = self.initial
+
+    @property
+    def available(self) -> bool:
+        return self.hf or self.blocks is not None
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        if on and not self.available:
+            raise ValueError(f"{type(self.model).__name__} has no repeated blocks to checkpoint "
+                             f"(no ModuleList/Sequential); leave checkpointing off in the ladder.")
+        if self.hf:
+            _hf_switch(self.model, on)
+        else:
+            for block in self.blocks:
+                if on:
+                    block.forward = _checkpointed(block.forward)
+                elif getattr(block.forward, "__autofit_checkpoint__", False):
+                    del block.forward  # back to the class's forward
+        self.on = on
+
+    def restore(self) -> None:
+        self.set(self.initial)

@@ -1,0 +1,194 @@
+"""The retry controller: one global batch, attempted under a plan until one fits.
+
+An attempt that runs out of memory is summarised to text inside its `except` block; everything
+else happens after the block has exited, when no frame of the failed attempt is alive: gradients
+dropped, cycles collected, cache emptied, memory checked against the pre-attempt baseline, the
+plan stepped down, and the same global batch replayed. tenacity drives the loop: retry while the
+outcome is an OOM, stop when the ladder has no step left.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
+from tenacity.stop import stop_base
+
+from .batches import batch_size
+from .device import describe_tensors
+from .errors import DoesNotFit, MemoryNotReleased
+from .ladder import SizeLog
+from .memory import by_kind
+from .oom import is_oom, release, summarize
+from .plan import Plan
+from .sizes import format_size
+
+log = logging.getLogger("autofit")
+
+CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of one global batch under one plan."""
+
+    plan: Plan
+    outcome: str            # "ok" | "oom"
+    reason: str             # why this plan was tried
+    peak_bytes: int
+    step: int = 0           # the global step (0-based) the attempt belonged to
+    error: str = ""         # the OOM message, for outcome "oom"
+    where: str = ""         # "forward/backward" or "optimizer.step", for outcome "oom"
+    memory: dict = field(default_factory=dict)  # bytes by kind at the failure
+
+    def describe(self) -> str:
+        text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
+        if self.peak_bytes:
+            text += f" (peak {format_size(self.peak_bytes)})"
+        if self.outcome == "oom":
+            text += f" in {self.where}: {self.error}"
+        return text + f" [{self.reason}]"
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    loss: float | None = None
+
+
+class _LadderExhausted(stop_base):
+    def __init__(self, controller: "Controller"):
+        self.controller = controller
+
+    def __call__(self, retry_state) -> bool:
+        return self.controller.next_plan is None
+
+
+class Controller:
+    def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
+                 reason: str = "start: the whole global batch at once", max_attempts: int = 64,
+                 probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
+                 quiet: bool = False):
+        self.runner, self.ladder = runner, ladder
+        self.device, self.model = runner.device, runner.model
+        self.sizes = sizes if sizes is not None else SizeLog()
+        self.plan, self.reason = plan, reason
+        self.probe_up, self.settle_within = probe_up, settle_within
+        self.on_attempt = on_attempt
+        self.quiet = quiet  # progress=False: no step-down logging either
+        self.attempts: list[Attempt] = []
+        self.next_plan: Plan | None = None
+        self._next_reason = ""
+        self._retrying = Retrying(
+            retry=retry_if_result(lambda outcome: not outcome.ok),
+            stop=_LadderExhausted(self) | stop_after_attempt(max_attempts),
+            wait=wait_none(), sleep=lambda _: None, reraise=True,
+            retry_error_callback=lambda state: state.outcome.result())
+
+    # -- public --------------------------------------------------------------------------------
+    def train(self, batch, step: int) -> float:
+        """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits."""
+        global_batch = batch_size(batch)
+        self.plan = self.plan.with_micro_batch(self.plan.micro_batch_size, global_batch)
+        self._fallback = None
+        if self.probe_up:
+            bigger = self.sizes.probe_up(self.plan, global_batch)
+            if bigger is not None and self._worth_probing(bigger):
+                self._fallback, self._fallback_reason = self.plan, self.reason
+                self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
+                                                  f" fits, searching upward)")
+        outcome = self._retrying(self._attempt, batch, step, global_batch)
+        if not outcome.ok:
+            failed = [a for a in self.attempts if a.step == step]
+            last = failed[-1] if failed else None
+            raise DoesNotFit(
+                f"no plan of the ladder fits global batch {global_batch} at step {step} on "
+                f"{self.device.describe()}; the model is as it was before this batch. Lower the "
+                f"global batch, give a larger budget, or allow offload/checkpointing in the ladder.",
+                attempts=self.attempts, breakdown=last.memory if last else None,
+                budget=self.device.budget)
+        return outcome.loss
+
+    # -- one attempt ---------------------------------------------------------------------------
+    def _attempt(self, batch, step: int, global_batch: int) -> _Outcome:
+        plan, reason = self.plan, self.reason
+        baseline = self.device.memory_allocated()
+        failure = None
+        try:
+            loss = self.runner.run(batch, plan)
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            where = "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward"
+            failure = (summarize(error), where,
+                       by_kind(self.device, self.model, self.runner.optimizer))
+        peak = self.runner.attempt_peak()
+        if failure is None:
+            self._record(Attempt(plan, "ok", reason, peak, step))
+            self.sizes.record(plan, True, global_batch)
+            self.reason = "kept: fitted the previous global batch"
+            return _Outcome(True, loss)
+        # Out of the except block: the failed attempt's frames are gone; free what they held.
+        text, where, memory = failure
+        self.runner.abandon()
+        release(self.device, model=self.model, optimizer=self.runner.optimizer)
+        self._check_baseline(baseline)
+        self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
+        self.sizes.record(plan, False, global_batch)
+        self._step_down(plan, global_batch, text)
+        return _Outcome(False)
+
+    def _step_down(self, plan: Plan, global_batch: int, text: str) -> None:
+        fallback, self._fallback = self._fallback, None
+        if fallback is not None and not self.sizes.known_to_fail(fallback):
+            new, why = fallback, "back to the largest micro-batch known to fit"
+        else:
+            new, why = self._next_down(plan, global_batch)
+        self.next_plan = new
+        if new is None:
+            if not self.quiet:
+                log.warning("out of memory under %s (%s); the ladder has no step left",
+                            plan.describe(), text)
+            return
+        if not self.quiet:
+            log.warning("out of memory under %s (%s); stepping down to %s: %s",
+                        plan.describe(), text, new.describe(), why)
+        self.plan, self.reason = new, why
+
+    def _next_down(self, plan: Plan, global_batch: int):
+        current = plan
+        while True:
+            taken = self.ladder.take(current)
+            if taken is None:
+                return None, ""
+            new, why = taken
+            new = new.with_micro_batch(new.micro_batch_size, global_batch)
+            if not self.sizes.known_to_fail(new):
+                return new, why
+            current = new  # a size already seen to fail: keep stepping
+
+    def _worth_probing(self, bigger: Plan) -> bool:
+        if self.settle_within <= 0:
+            return True
+        ceiling = self.sizes.fails.get((bigger.precision, bigger.checkpointing, bigger.offload_optimizer))
+        fit = self.plan.micro_batch_size
+        return ceiling is None or (ceiling - 1 - fit) > fit * self.settle_within
+
+    def _check_baseline(self, baseline: int) -> None:
+        slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
+        extra = self.device.memory_allocated() - baseline
+        if extra <= slack:
+            return
+        known = {id(t.untyped_storage()) for t in self.model.parameters()}
+        known |= {id(t.untyped_storage()) for t in self.model.buffers()}
+        for entry in self.runner.optimizer.state.values():
+            known |= {id(v.untyped_storage()) for v in entry.values() if isinstance(v, torch.Tensor)}
+        holders = [t for t in self.device.live_tensors() if id(t.untyped_storage()) not in known]
+        raise MemoryNotReleased(extra, describe_tensors(holders) if holders else "no tensor Python can see")
+
+    def _record(self, attempt: Attempt) -> None:
+        self.attempts.append(attempt)
+        if self.on_attempt is not None:
+            self.on_attempt(attempt)

@@ -1,0 +1,35 @@
+"""Errors autofit raises on purpose, each saying what failed and what to do."""
+
+from __future__ import annotations
+
+from .memory import format_breakdown
+from .sizes import format_size
+
+
+class DoesNotFit(RuntimeError):
+    """No plan of the ladder fits the budget. Carries every attempt and the last breakdown."""
+
+    def __init__(self, message: str, attempts=(), breakdown: dict | None = None,
+                 budget: int | None = None):
+        self.attempts = list(attempts)
+        self.breakdown = dict(breakdown or {})
+        self.budget = budget
+        lines = [message]
+        if self.breakdown:
+            lines.append("memory at the last failure: " + format_breakdown(self.breakdown, budget))
+        if self.attempts:
+            lines.append("plans tried:")
+            for a in self.attempts:
+                lines.append(f"  {a.describe()}")
+        super().__init__("\n".join(lines))
+
+
+class MemoryNotReleased(RuntimeError):
+    """After an OOM, memory did not return to what was allocated before the attempt."""
+
+    def __init__(self, extra: int, holders: str):
+        super().__init__(
+            f"after an out-of-memory attempt {format_size(extra)} stayed allocated above the "
+            f"pre-attempt baseline, held by {holders}. Something outside the step keeps tensors of "
+            f"the failed attempt alive (a loss or output stored in a list, a global, a hook); keep "
+            f"Python numbers (loss.item()) instead.")

@@ -1,0 +1,207 @@
+"""Moves and the ladder: how a plan steps down after running out of memory.
+
+A move is a callable `Plan -> Plan | None` (None: it cannot step further). Moves compose like
+tenacity's strategies: `a | b` tries `a`, and `b` only when `a` returns None. Every move has a
+`why`, the reason logged and recorded with each step-down.
+
+The micro-batch moves are not blind halving: they read a `SizeLog` of the sizes already seen to fit
+or fail for each configuration (precision, checkpointing, offload), never propose a size known to
+fail, and `SizeLog.probe_up` lets the controller search upward between the largest size that fitted
+and the smallest that failed, so a run settles on the largest micro-batch that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import Plan
+
+BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper moves come first
+
+
+def config_of(plan: Plan) -> tuple:
+    """What a micro-batch size's memory depends on besides the size itself."""
+    return (plan.precision, plan.checkpointing, plan.offload_optimizer)
+
+
+@dataclass
+class SizeLog:
+    """Micro-batch sizes seen to fit or fail, per configuration; memory grows with size."""
+
+    fits: dict = field(default_factory=dict)   # config -> largest size that fitted
+    fails: dict = field(default_factory=dict)  # config -> smallest size that failed
+
+    def record(self, plan: Plan, ok: bool, global_batch: int | None = None) -> None:
+        key, size = config_of(plan), plan.micro_batch_size
+        if global_batch is not None:
+            size = min(size, global_batch)
+        if ok:
+            self.fits[key] = max(self.fits.get(key, 0), size)
+        else:
+            self.fails[key] = min(self.fails.get(key, size), size)
+            if self.fits.get(key, 0) >= size:
+                del self.fits[key]  # it fitted before the optimizer state existed; not any more
+
+    def known_to_fail(self, plan: Plan) -> bool:
+        failed = self.fails.get(config_of(plan))
+        return failed is not None and plan.micro_batch_size >= failed
+
+    def probe_up(self, plan: Plan, global_batch: int) -> Plan | None:
+        """The next larger micro-batch worth trying for this configuration, or None when settled."""
+        key = config_of(plan)
+        fit = self.fits.get(key)
+        if fit is None or fit != plan.micro_batch_size:
+            return None
+        ceiling = min(self.fails.get(key, global_batch + 1), global_batch + 1)
+        if ceiling - fit <= 1:
+            return None
+        size = (fit + ceiling) // 2 if ceiling <= global_batch else global_batch
+        return plan.with_micro_batch(size, global_batch)
+
+
+class Move:
+    """A step-down. Subclasses implement `step`; `a | b` composes."""
+
+    why = "step down"
+
+    def __call__(self, plan: Plan) -> Plan | None:
+        taken = self.take(plan)
+        return None if taken is None else taken[0]
+
+    def take(self, plan: Plan) -> tuple[Plan, str] | None:
+        """(new plan, reason) or None."""
+        new = self.step(plan)
+        return None if new is None else (new, self.why)
+
+    def step(self, plan: Plan) -> Plan | None:
+        raise NotImplementedError
+
+    def __or__(self, other) -> "Move":
+        return Either(self, as_move(other))
+
+    def __ror__(self, other) -> "Move":
+        return Either(as_move(other), self)
+
+    def __repr__(self):
+        return type(self).__name__
+
+
+class Either(Move):
+    def __init__(self, *moves: Move):
+        self.moves = []
+        for m in moves:  # flatten so repr and iteration stay readable
+            self.moves.extend(m.moves if isinstance(m, Either) else [m])
+
+    def take(self, plan):
+        for move in self.moves:
+            taken = move.take(plan)
+            if taken is not None:
+                return taken
+        return None
+
+    def __repr__(self):
+        return " | ".join(repr(m) for m in self.moves)
+
+
+class FunctionMove(Move):
+    """A user's plain function `Plan -> Plan | None` as a move."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.why = getattr(fn, "__doc__", None) or getattr(fn, "__name__", "user move")
+
+    def step(self, plan):
+        new = self.fn(plan)
+        if new is not None and not isinstance(new, Plan):
+            raise TypeError(f"move {self.fn!r} returned {new!r}; a move returns a Plan or None.")
+        return new
+
+    def __repr__(self):
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def as_move(obj) -> Move:
+    if isinstance(obj, Move):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        if not obj:
+            raise ValueError("ladder=[] has no move; give at least one move or leave ladder=None.")
+        return Either(*(as_move(m) for m in obj))
+    if callable(obj):
+        return FunctionMove(obj)
+    raise TypeError(f"a move is a callable Plan -> Plan | None, but got {obj!r}.")
+
+
+class ShrinkMicroBatch(Move):
+    """Halve the micro-batch (more accumulation steps, same global batch), not below `floor`."""
+
+    def __init__(self, sizes: SizeLog, floor: int = 1):
+        if floor < 1:
+            raise ValueError(f"floor must be >= 1 but got {floor}.")
+        self.sizes, self.floor = sizes, floor
+        self.why = f"smaller micro-batch, more accumulation (not below {floor})"
+
+    def step(self, plan):
+        current = plan.micro_batch_size
+        if current <= self.floor:
+            return None
+        size = max(self.floor, current // 2)
+        fit = self.sizes.fits.get(config_of(plan))
+        if fit is not None and size < fit < current:
+            size = fit  # a size known to fit beats a blind halving
+        global_batch = plan.global_batch
+        return plan.replace(micro_batch_size=size, accumulation_steps=-(-global_batch // size))
+
+    def __repr__(self):
+        return f"ShrinkMicroBatch(floor={self.floor})"
+
+
+class SetField(Move):
+    """Switch one plan field to a value (precision, checkpointing, offload) when it is not set yet."""
+
+    def __init__(self, name: str, value, why: str):
+        self.name, self.value, self.why = name, value, why
+
+    def step(self, plan):
+        if getattr(plan, self.name) == self.value:
+            return None
+        return plan.replace(**{self.name: self.value})
+
+    def __repr__(self):
+        return f"SetField({self.name}={self.value!r})"
+
+
+def mixed_precision(dtype: str = "bf16") -> Move:
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError(f"mixed precision is 'bf16' or 'fp16' but got {dtype!r}.")
+    return _OnlyFromFp32(dtype)
+
+
+class _OnlyFromFp32(SetField):
+    def __init__(self, dtype):
+        super().__init__("precision", dtype, f"{dtype} autocast halves activation memory")
+
+    def step(self, plan):
+        return None if plan.precision != "fp32" else super().step(plan)
+
+
+def checkpointing() -> Move:
+    return SetField("checkpointing", True, "activation checkpointing recomputes activations in backward")
+
+
+def offload_optimizer() -> Move:
+    return SetField("offload_optimizer", True, "optimizer state moves to CPU memory")
+
+
+def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool = True) -> Move:
+    """Exact moves first (accumulation), then cheaper numerics, then recomputation, then offload.
+
+    With precision="auto": micro-batch down to BUSY_FLOOR, bf16 autocast (fp16 where bf16 is
+    unsupported), checkpointing, micro-batch down to 1, optimizer offload. A fixed precision never
+    changes.
+    """
+    steps = [ShrinkMicroBatch(sizes, floor=BUSY_FLOOR)]
+    if precision == "auto":
+        steps.append(mixed_precision("bf16" if bf16_supported else "fp16"))
+    steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
+    return Either(*steps)

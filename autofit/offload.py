@@ -1,0 +1,80 @@
+"""Optimizer-state offload: the update runs on the host, the device keeps parameters and gradients.
+
+`Offloaded` stands in for the user's optimizer during offloaded plans. It shares the user's
+`param_groups` (so a scheduler that changes the learning rate still reaches the update) and keeps
+an optimizer of the same class over fp32 host copies of the parameters. Each step copies the
+gradients to the host, runs the same update there, and copies the parameters back in place, so the
+device never allocates for the update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_HOST_ONLY_DEFAULTS = {"foreach": None, "fused": None, "capturable": False}
+
+
+class Offloaded:
+    def __init__(self, optimizer: torch.optim.Optimizer, device):
+        self.optimizer = optimizer
+        self.device = device
+        with torch.no_grad(), device.host():
+            self.pairs = [(p, p.detach().to("cpu", copy=True)) for g in optimizer.param_groups
+                          for p in g["params"]]
+            host = {id(p): h for p, h in self.pairs}
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": [host[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+            for g in groups:
+                g.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in g})
+            defaults = {k: v for k, v in optimizer.defaults.items()}
+            defaults.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in defaults})
+            self.host = type(optimizer)(groups, **defaults)
+            self.host.load_state_dict(optimizer.state_dict())
+            _restore_group_options(self.host, groups)
+        # The device copy of the state is now redundant: free it.
+        optimizer.state.clear()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups  # shared: GradScaler and schedulers act on these
+
+    @property
+    def state(self):
+        return self.host.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("optimizer offload does not support closures; use a plain optimizer "
+                             "or a ladder without offload_optimizer.")
+        with torch.no_grad(), self.device.host():
+            for group, host_group in zip(self.optimizer.param_groups, self.host.param_groups):
+                for k, v in group.items():  # learning-rate schedules act on the user's groups
+                    if k != "params" and k not in _HOST_ONLY_DEFAULTS:
+                        host_group[k] = v
+            for p, h in self.pairs:
+                h.grad = None if p.grad is None else p.grad.detach().to("cpu", h.dtype, copy=True)
+            self.host.step()
+            for _, h in self.pairs:
+                h.grad = None
+        with torch.no_grad():
+            for p, h in self.pairs:
+                p.copy_(h)
+
+    def give_back(self) -> None:
+        """Put the state back into the user's optimizer (on the device), e.g. at the end of a run."""
+        options = [{k: g[k] for k in _HOST_ONLY_DEFAULTS if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(self.host.state_dict())
+        for group, kept in zip(self.optimizer.param_groups, options):
+            group.update(kept)
+        self.host.state.clear()
+
+
+def _restore_group_options(optimizer, groups) -> None:
+    # load_state_dict copies the saved groups' options; keep the host-only ones.
+    for group, wanted in zip(optimizer.param_groups, groups):
+        for k in _HOST_ONLY_DEFAULTS:
+            if k in group:
+                group[k] = wanted[k]

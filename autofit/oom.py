@@ -1,0 +1,55 @@
+"""The one place that recognises an out-of-memory error and frees what a failed attempt held."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+# Allocator messages that mean "out of memory" on the backends PyTorch ships, for errors that are
+# raised as plain RuntimeError (cuBLAS workspaces, HIP, XPU, the CPU allocator, older builds).
+OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "HIP out of memory",
+    "hipErrorOutOfMemory",
+    "XPU out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+
+def is_oom(error: BaseException | None) -> bool:
+    """True when `error`, or an error it was raised from or during, is an out-of-memory error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        if isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def summarize(error: BaseException) -> str:
+    """The first line of an OOM message: the text an attempt keeps instead of the exception."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def release(device, *, model=None, optimizer=None) -> None:
+    """Free what a failed attempt held; the caller has already left its `except` block.
+
+    Gradients are dropped (the global batch is replayed from scratch), cycles that pin frames are
+    collected, and the device's cache is emptied so the next plan sees the memory.
+    """
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    if model is not None:
+        for p in model.parameters():
+            p.grad = None
+    gc.collect()
+    device.empty_cache()

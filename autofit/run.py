@@ -1,0 +1,155 @@
+"""autofit.run: train a model for some epochs, fitting every global batch to the device."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .batches import batch_size as rows_of
+from .batches import dataset_batches, token_counter
+from .controller import Attempt, Controller
+from .device import open_device
+from .ladder import SizeLog, as_move, default_ladder
+from .plan import PRECISIONS, Plan
+from .step import StepRunner
+
+log = logging.getLogger("autofit")
+
+PRECISION_POLICIES = ("auto",) + PRECISIONS
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    attempts: list[Attempt] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+    eval_history: list[dict] = field(default_factory=list)
+    device: str = ""
+
+    @property
+    def oom_attempts(self) -> int:
+        return sum(a.outcome == "oom" for a in self.attempts)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int but got {value!r}.")
+
+
+def global_batches(data, batch_size, epochs: int):
+    """(first batch, a function giving each epoch's iterator); checks the data before training."""
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+        if batch_size is None:
+            raise ValueError(f"data is a {type(data).__name__} (a map-style Dataset); pass batch_size=N, "
+                             f"the global batch one optimizer step sees.")
+        _check_positive_int("batch_size", batch_size)
+        if len(data) == 0:
+            raise ValueError(f"data is an empty {type(data).__name__}; give at least one sample.")
+        loader = dataset_batches(data, batch_size)
+        return next(iter(loader)), lambda: iter(loader)
+    if batch_size is not None:
+        raise ValueError(f"batch_size={batch_size!r} applies to a map-style Dataset, but data is a "
+                         f"{type(data).__name__} that already yields batches; drop batch_size or pass "
+                         f"the Dataset itself.")
+    if isinstance(data, (torch.Tensor, dict)) or not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be a map-style Dataset or an iterable of batches (a DataLoader, a "
+                        f"list of batches) but got {type(data).__name__}.")
+    one_shot = iter(data) is data
+    if one_shot and epochs > 1:
+        raise ValueError(f"data is a one-shot iterator ({type(data).__name__}) but epochs={epochs}; pass "
+                         f"a DataLoader or a list so each epoch can read it again.")
+    head = iter(data)
+    try:
+        first = next(head)
+    except StopIteration:
+        raise ValueError(f"data ({type(data).__name__}) yielded no batch; give at least one.") from None
+    if one_shot:
+        return first, lambda: itertools.chain([first], head)
+    return first, lambda: iter(data)
+
+
+def build_optimizer(optimizer, model):
+    if optimizer is None:
+        return torch.optim.AdamW(model.parameters()), True
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, False
+    if callable(optimizer):
+        built = optimizer(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
+                            f"torch.optim.Optimizer built over the parameters it is given.")
+        return built, True
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None "
+                    f"but got {type(optimizer).__name__}.")
+
+
+def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
+        eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True):
+    """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
+    memory and replaying it, so the result is the same mathematics as a plain loop."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    _check_positive_int("epochs", epochs)
+    if precision not in PRECISION_POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    first, epoch_batches = global_batches(data, batch_size, epochs)
+    first_rows = rows_of(first)  # raises on a batch that cannot be split
+    user_ladder = None if ladder is None else as_move(ladder)
+
+    with open_device(budget) as device:
+        device.place_model(model)
+        was_training = model.training
+        model.train()
+        opt, own_optimizer = build_optimizer(optimizer, model)
+        sched = scheduler(opt) if scheduler is not None else None
+        sizes = SizeLog()
+        if precision == "fp16" and device.type == "cpu":
+            log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
+        start = Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision)
+        moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
+        runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
+                            count_tokens=token_counter(model) if loss_fn is None else None)
+        controller = Controller(runner, moves, start, sizes=sizes, quiet=not progress)
+        result = RunResult(plan=start, device=device.describe())
+        try:
+            _train(controller, epoch_batches, epochs, result, progress)
+        finally:
+            runner.close()
+            if not was_training:
+                model.eval()
+            result.attempts = controller.attempts
+            result.plan = controller.plan
+            del controller, runner, sched
+            if own_optimizer:
+                opt.state.clear()
+            del opt
+            gc.collect()
+            device.empty_cache()
+    return result
+
+
+def _train(controller, epoch_batches, epochs, result, progress) -> None:
+    step = 0
+    for epoch in range(epochs):
+        batches = epoch_batches()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False)
+            batches = bar
+        for batch in batches:
+            loss = controller.train(batch, step)
+            plan = controller.plan
+            result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": rows_of(batch),
+                                   "plan": plan})
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}")
+            step += 1
+        if bar is not None:
+            bar.close()

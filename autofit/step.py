@@ -1,0 +1,147 @@
+"""One global step under a plan: micro-batches, weighting, autocast, scaler, checkpointing, offload.
+
+The optimizer, scheduler and grad scaler step once per global batch, and only for a batch whose
+every micro-batch succeeded. Micro-batch losses are weighted by their share of the global batch
+(rows, or label tokens for token-level losses), so the accumulated gradient is the full batch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+from .atomic import AtomicStep
+from .batches import split, weights
+from .checkpointing import Checkpointing
+from .offload import Offloaded
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NoLossError(ValueError):
+    pass
+
+
+def compute_loss(model, batch, loss_fn=None) -> torch.Tensor:
+    """The scalar loss of one (micro-)batch: `loss_fn(model, batch)`, else the model's own."""
+    if loss_fn is not None:
+        loss = loss_fn(model, batch)
+        where = "loss_fn"
+    else:
+        if isinstance(batch, Mapping):
+            out = model(**batch)
+        elif isinstance(batch, (list, tuple)):
+            out = model(*batch)
+        else:
+            out = model(batch)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, Mapping):
+            loss = out.get("loss")
+        if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+            loss = out
+        where = f"{type(model).__name__}'s output"
+        if loss is None:
+            raise NoLossError(
+                f"{where} ({type(out).__name__}) carries no loss; pass labels in the batch (Hugging "
+                f"Face models), return a scalar loss from forward, or give "
+                f"loss_fn=lambda model, batch: ...")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise NoLossError(f"{where} gave a loss of shape {shape}; it must be a scalar tensor, the "
+                          f"mean over the batch.")
+    return loss
+
+
+class StepRunner:
+    """Executes global steps; owns the per-plan switches so a plan change is one call."""
+
+    def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
+                 count_tokens=None, sync=None):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
+        # sync(i, last) -> context for micro-step i: DDP's no_sync for all but the last.
+        self.sync = sync or (lambda i, last: contextlib.nullcontext())
+        self.checkpointing = Checkpointing(model)
+        self.atomic = AtomicStep(optimizer, device)
+        self.offloaded: Offloaded | None = None
+        self.scaler = None
+        self._scaler_state = None
+        self.peak = 0
+
+    # -- plan switches -------------------------------------------------------------------------
+    def prepare(self, plan) -> None:
+        self.checkpointing.set(plan.checkpointing)
+        if plan.offload_optimizer and self.offloaded is None:
+            self.offloaded = Offloaded(self.optimizer, self.device)
+        elif not plan.offload_optimizer and self.offloaded is not None:
+            self.offloaded.give_back()
+            self.offloaded = None
+        if plan.precision == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def close(self) -> None:
+        """Leave the model and optimizer as a plain loop would: own switches off, state home."""
+        self.checkpointing.restore()
+        if self.offloaded is not None:
+            self.offloaded.give_back()
+            self.offloaded = None
+
+    def abandon(self) -> None:
+        """Forget a failed attempt: gradients and scaler bookkeeping go back to before it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None and self._scaler_state is not None:
+            scaler = torch.amp.GradScaler(self.device.type)
+            scaler.load_state_dict(self._scaler_state)
+            self.scaler = scaler
+
+    # -- one global batch ----------------------------------------------------------------------
+    def run(self, batch, plan) -> float:
+        """Train on one global batch under `plan`; returns its loss (the weighted mean)."""
+        self.prepare(plan)
+        if self.scaler is not None:
+            self._scaler_state = self.scaler.state_dict()
+        self.device.reset_peak_memory_stats()
+        self.peak = 0
+        parts = split(batch, plan.micro_batch_size)
+        shares = weights(batch, parts, self.count_tokens)
+        total = None  # stays on the device: one synchronisation per global batch, not per micro-step
+        autocast = plan.precision != "fp32"
+        for i, (part, share) in enumerate(zip(parts, shares)):
+            part = self.device.to_device(part)
+            with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
+                loss = compute_loss(self.model, part, self.loss_fn)
+            scaled = loss * share
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            with self.sync(i, i == len(parts) - 1):
+                scaled.backward()
+            term = loss.detach().float() * share
+            total = term if total is None else total + term
+            del part, loss, scaled, term
+        del parts
+        self._step(plan)
+        return total.item()
+
+    def attempt_peak(self) -> int:
+        """The device peak of the current attempt (the step resets the counter to measure itself)."""
+        return max(self.peak, self.device.max_memory_allocated())
+
+    def _step(self, plan) -> None:
+        target = self.offloaded or self.optimizer
+        if self.scaler is not None:
+            def step():
+                self.scaler.step(target)
+        else:
+            step = target.step
+        key = (plan.precision, plan.checkpointing, plan.offload_optimizer)
+        try:
+            self.atomic(step, key=key, guard=False if self.offloaded is not None else None)
+        finally:
+            self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
+        if self.scaler is not None:
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,322 @@
+import logging
+import multiprocessing
+import os
+import pathlib
+import sqlite3
+from datetime import datetime, timezone
+
+import pytest
+
+from autofit.cache import APPLICATION_ID, SCHEMA_VERSION, PlanCache, default_path
+from autofit.plan import Plan
+
+FIELDS = {"model": {"class": "m.M", "params": "ab" * 32, "n_params": 10}, "global_batch": 32}
+
+
+def entry(micro=8, peak=123_456_789, calibration=1.07, throughput=412.5):
+    return {"plan": Plan(micro_batch_size=micro, accumulation_steps=32 // micro, precision="bf16",
+                         checkpointing=True).to_dict(),
+            "peak_bytes": peak, "calibration": calibration, "throughput": throughput}
+
+
+def corrupt_files(path: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(path.parent.glob(path.name + ".corrupt-*"))
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "autofit.cache" and r.levelno == logging.WARNING]
+
+
+def test_round_trip(tmp_path):
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    before = datetime.now(timezone.utc)
+    cache.put("k1", FIELDS, entry())
+    got = cache.get("k1")
+    when = datetime.fromisoformat(got["when"])
+    assert before <= when <= datetime.now(timezone.utc)
+    assert got == {**entry(), "when": got["when"]}
+    assert cache.get_plan("k1") == Plan(micro_batch_size=8, accumulation_steps=4, precision="bf16",
+                                        checkpointing=True)
+    assert cache.get("other") is None
+    assert cache.get_plan("other") is None
+    assert cache.entries() == [{"key": "k1", "fields": FIELDS, "entry": got}]
+    # Upsert replaces; entries are newest first.
+    cache.put("k2", FIELDS, entry(micro=4, calibration=None, throughput=None))
+    cache.put("k1", {"x": 1}, entry(micro=2, peak=5))
+    assert [e["key"] for e in cache.entries()] == ["k1", "k2"]
+    assert cache.get("k1") == {**entry(micro=2, peak=5), "when": cache.get("k1")["when"]}
+    assert cache.entries()[0]["fields"] == {"x": 1}
+    assert cache.get("k2")["calibration"] is None
+
+
+def test_file_is_wal_sqlite_with_our_marks(tmp_path):
+    path = tmp_path / "deep" / "dir" / "plans.sqlite"
+    PlanCache(path).put("k", FIELDS, entry())  # parent directories are created
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    conn.close()
+    assert path.read_bytes().count(b"pickle") == 0
+
+
+def test_missing_file_is_not_created(tmp_path):
+    path = tmp_path / "sub" / "plans.sqlite"
+    cache = PlanCache(path)
+    assert cache.get("k") is None
+    assert cache.get_plan("k") is None
+    assert cache.entries() == []
+    assert cache.clear() == 0
+    cache.close()
+    assert not path.exists()
+    assert not path.parent.exists()
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_path() == tmp_path / "mine" / "plans.sqlite"
+    cache = PlanCache()
+    assert cache.path == tmp_path / "mine" / "plans.sqlite"
+    cache.put("k", FIELDS, entry())
+    assert (tmp_path / "mine" / "plans.sqlite").is_file()
+    monkeypatch.delenv("AUTOFIT_CACHE_DIR")
+    import platformdirs
+    assert default_path() == pathlib.Path(platformdirs.user_cache_dir("autofit")) / "plans.sqlite"
+
+
+def test_corrupt_file_is_moved_aside(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    garbage = os.urandom(8192)
+    path.write_bytes(garbage)
+    cache = PlanCache(path)
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.get("k") is None
+    [moved] = corrupt_files(path)
+    assert moved.read_bytes() == garbage
+    assert not path.exists()
+    [message] = warnings_of(caplog)
+    assert str(path) in message and "file is not a database" in message and str(moved) in message
+    cache.put("k", FIELDS, entry())
+    assert cache.get("k") == {**entry(), "when": cache.get("k")["when"]}
+    assert corrupt_files(path) == [moved]
+
+
+def test_corrupt_file_found_by_put(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    path.write_bytes(b"not a database at all")
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        PlanCache(path).put("k", FIELDS, entry())
+    [moved] = corrupt_files(path)
+    assert moved.read_bytes() == b"not a database at all"
+    assert len(warnings_of(caplog)) == 1
+    assert [e["key"] for e in PlanCache(path).entries()] == ["k"]
+
+
+def test_corrupt_pages_are_moved_aside(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    for i in range(200):
+        cache.put(f"k{i}", FIELDS, entry())
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.execute("PRAGMA journal_mode=DELETE")  # everything in the main file, no -wal left
+    conn.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) > 4 * page
+    data[2 * page:len(data)] = os.urandom(len(data) - 2 * page)  # keep the header and schema page
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.entries() == []
+    [moved] = corrupt_files(path)
+    assert moved.read_bytes() == bytes(data)
+    [message] = warnings_of(caplog)
+    assert "malformed" in message and str(moved) in message
+
+
+def test_foreign_sqlite_is_moved_aside(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE plans (key TEXT PRIMARY KEY, value BLOB)")
+    conn.execute("INSERT INTO plans VALUES ('k', x'80049500')")  # what a pickle would look like
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+    original = path.read_bytes()
+    cache = PlanCache(path)
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.get("k") is None
+    [moved] = corrupt_files(path)
+    assert moved.read_bytes() == original
+    [message] = warnings_of(caplog)
+    assert "SQLite file of something else (application_id 0, tables ['plans'])" in message
+    assert str(path) in message and str(moved) in message
+    cache.put("k", FIELDS, entry())
+    assert cache.get("k")["peak_bytes"] == 123_456_789
+
+
+def test_our_marks_with_another_schema_are_moved_aside(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE plans (key TEXT PRIMARY KEY, value TEXT)")
+    conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert PlanCache(path).entries() == []
+    assert len(corrupt_files(path)) == 1
+    [message] = warnings_of(caplog)
+    assert "plans columns ['key', 'value']" in message
+
+
+def test_newer_schema_is_ignored_not_moved(tmp_path, caplog):
+    path = tmp_path / "plans.sqlite"
+    PlanCache(path).put("k", FIELDS, entry())
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    cache = PlanCache(path)
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.get("k") is None
+        cache.put("k2", FIELDS, entry())
+    assert corrupt_files(path) == []
+    assert warnings_of(caplog) == [
+        f"plan cache {path}: it has schema version {SCHEMA_VERSION + 1}, newer than this autofit's "
+        f"{SCHEMA_VERSION}; ignoring it."] * 2
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT key FROM plans")] == ["k"]
+    conn.close()
+
+
+def test_empty_file_is_used(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    path.touch()
+    cache = PlanCache(path)
+    assert cache.get("k") is None
+    cache.put("k", FIELDS, entry())
+    assert cache.get("k")["plan"]["micro_batch_size"] == 8
+    assert corrupt_files(path) == []
+
+
+@pytest.mark.parametrize("column, text, problem", [
+    ("entry", "{not json", "is not valid JSON"),
+    ("fields", "[1,", "is not valid JSON"),
+    ("entry", '{"plan": {"micro_batch_size": 8}, "calibration": 1.0, "throughput": 2.0, "when": "x"}',
+     "is invalid (the entry lacks ['peak_bytes'])"),
+    ("entry", '{"plan": {"micro_batch_size": 0}, "peak_bytes": 1, "calibration": null, '
+              '"throughput": null, "when": "x"}',
+     "is invalid (entry['plan'] is not a valid Plan (micro_batch_size must be a positive int but got 0.))"),
+    ("entry", '{"plan": {"micro_batch_size": 8}, "peak_bytes": 1, "calibration": null, "throughput": null}',
+     "is invalid (the entry lacks 'when')"),
+    ("entry", '{"plan": {"micro_batch_size": 8, "exec": "rm"}, "peak_bytes": 1, "calibration": null, '
+              '"throughput": null, "when": "x"}', "unknown Plan fields ['exec']"),
+    ("entry", '{"plan": {"micro_batch_size": 8}, "peak_bytes": -5, "calibration": null, '
+              '"throughput": null, "when": "x"}',
+     "entry['peak_bytes'] must be a non-negative int but got -5"),
+    ("fields", '"just a string"', "its fields must be a JSON object but are str"),
+])
+def test_bad_row_is_ignored_and_reported(tmp_path, caplog, column, text, problem):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    cache.put("bad", FIELDS, entry())
+    cache.put("good", FIELDS, entry())
+    conn = sqlite3.connect(path)
+    conn.execute(f"UPDATE plans SET {column} = ? WHERE key = 'bad'", (text,))
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.get("bad") is None
+        assert cache.get_plan("bad") is None
+        assert [e["key"] for e in cache.entries()] == ["good"]
+    messages = warnings_of(caplog)
+    assert len(messages) == 3
+    assert all(m.startswith(f"plan cache {path}: row bad ") and problem in m for m in messages), messages
+    assert cache.get("good") is not None
+    assert corrupt_files(path) == []  # a bad row is not a bad file
+    cache.put("bad", FIELDS, entry())  # a later put repairs it
+    assert cache.get("bad") == {**entry(), "when": cache.get("bad")["when"]}
+
+
+def test_clear(tmp_path):
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    for i in range(3):
+        cache.put(f"k{i}", FIELDS, entry())
+    cache.put("k0", FIELDS, entry())
+    assert cache.clear() == 3
+    assert cache.entries() == []
+    assert cache.clear() == 0
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda c: c.put("", FIELDS, entry()), ValueError, "key must be a non-empty string (from job_key) but got ''"),
+    (lambda c: c.get(None), ValueError, "key must be a non-empty string (from job_key) but got None"),
+    (lambda c: c.put("k", [1], entry()), TypeError, "fields must be a dict (from job_key) but got list"),
+    (lambda c: c.put("k", FIELDS, {**entry(), "plan": Plan(4)}), ValueError,
+     "entry['plan'] must be a dict (Plan.to_dict()) but got Plan"),
+    (lambda c: c.put("k", FIELDS, {"plan": Plan(4).to_dict()}), ValueError,
+     "the entry lacks ['peak_bytes', 'calibration', 'throughput']"),
+    (lambda c: c.put("k", FIELDS, {**entry(), "calibration": float("nan")}), ValueError,
+     "entry['calibration'] must be a finite number or None but got nan"),
+    (lambda c: c.put("k", FIELDS, {**entry(), "peak_bytes": 1.5}), ValueError,
+     "entry['peak_bytes'] must be a non-negative int but got 1.5"),
+    (lambda c: c.put("k", {"f": object()}, entry()), ValueError,
+     "cache fields and entry must be plain JSON data: Object of type object is not JSON serializable"),
+])
+def test_bad_arguments(tmp_path, call, error, words):
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    with pytest.raises(error) as info:
+        call(cache)
+    assert words in str(info.value)
+    assert not cache.path.exists()
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(TypeError, match="path must be a str, an os.PathLike or None but got int 3"):
+        PlanCache(3)
+    with pytest.raises(ValueError, match="is a directory; pass a file path such as"):
+        PlanCache(tmp_path)
+
+
+def _writer(jobs, worker, barrier):
+    for path, count in jobs:
+        cache = PlanCache(path)
+        barrier.wait()  # start together, on a file that does not exist yet
+        for i in range(count):
+            cache.put(f"w{worker}-{i}", {"worker": worker, "i": i}, entry(peak=worker * 1000 + i))
+            cache.put("shared", {"worker": worker, "i": i}, entry(peak=worker * 1000 + i))
+
+
+def check_written(path, count):
+    rows = {e["key"]: e for e in PlanCache(path).entries()}
+    assert len(rows) == 2 * count + 1
+    for w in (1, 2):
+        for i in range(count):
+            row = rows[f"w{w}-{i}"]
+            assert row["fields"] == {"worker": w, "i": i}
+            assert row["entry"] == {**entry(peak=w * 1000 + i), "when": row["entry"]["when"]}
+    shared = rows["shared"]
+    assert shared["fields"]["i"] == count - 1
+    assert shared["entry"]["peak_bytes"] == shared["fields"]["worker"] * 1000 + count - 1
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    assert corrupt_files(path) == []
+
+
+def test_two_processes_write_at_once(tmp_path, caplog):
+    # 50 puts each to one cache, then 20 fresh caches with 2 puts each: both processes race to
+    # create the file and its schema, which is where a naive open fails.
+    jobs = [(str(tmp_path / "plans.sqlite"), 50)] + [(str(tmp_path / f"c{n}.sqlite"), 2) for n in range(20)]
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_writer, args=(jobs, w, barrier)) for w in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for path, count in jobs:
+        check_written(pathlib.Path(path), count)
