@@ -2,6 +2,8 @@
 
 from .controller import Attempt
 from .errors import DoesNotFit, MemoryNotReleased
+from .evaluate import EvalResult, EvalSizer, evaluate
+from .explain import explain
 from .plan import Plan
 from .run import RunResult, run
 from .simulate import simulate_gpu
@@ -12,9 +14,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Attempt",
     "DoesNotFit",
+    "EvalResult",
+    "EvalSizer",
     "MemoryNotReleased",
     "Plan",
     "RunResult",
+    "evaluate",
+    "explain",
     "parse_size",
     "run",
     "simulate_gpu",

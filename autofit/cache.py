@@ -185,6 +185,9 @@ class PlanCache:
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         if create:
             _ensure_wal(conn)
+            # With WAL, NORMAL never corrupts the file; a power cut may only lose the last
+            # writes, which a cache can afford, and each commit skips an fsync.
+            conn.execute("PRAGMA synchronous=NORMAL")
         return True
 
     def _read_state(self, conn: sqlite3.Connection) -> str:

@@ -122,8 +122,13 @@ class Controller:
             if not is_oom(error):
                 raise
             where = "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward"
-            failure = (summarize(error), where,
-                       by_kind(self.device, self.model, self.runner.optimizer))
+            memory = by_kind(self.device, self.model, self.runner.optimizer)
+            # Held before the attempt but neither weights nor this optimizer's state: a previous
+            # phase's optimizer, batches parked on the device, tensors kept across steps.
+            memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"], 0),
+                                  memory["activations"])
+            memory["activations"] -= memory["other"]
+            failure = (summarize(error), where, memory)
         peak = self.runner.attempt_peak()
         if failure is None:
             self._record(Attempt(plan, "ok", reason, peak, step))
@@ -158,16 +163,19 @@ class Controller:
         self.plan, self.reason = new, why
 
     def _next_down(self, plan: Plan, global_batch: int):
-        current = plan
+        current, seen = plan, {plan}
         while True:
             taken = self.ladder.take(current)
             if taken is None:
                 return None, ""
             new, why = taken
             new = new.with_micro_batch(new.micro_batch_size, global_batch)
+            if new in seen:
+                return None, ""  # a move that goes round in circles has no step left
             if not self.sizes.known_to_fail(new):
                 return new, why
             current = new  # a size already seen to fail: keep stepping
+            seen.add(new)
 
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:

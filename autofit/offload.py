@@ -9,6 +9,8 @@ device never allocates for the update.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 _HOST_ONLY_DEFAULTS = {"foreach": None, "fused": None, "capturable": False}
@@ -26,7 +28,8 @@ class Offloaded:
                        "params": [host[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
             for g in groups:
                 g.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in g})
-            defaults = {k: v for k, v in optimizer.defaults.items()}
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             defaults.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in defaults})
             self.host = type(optimizer)(groups, **defaults)
             self.host.load_state_dict(optimizer.state_dict())

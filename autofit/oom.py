@@ -51,5 +51,22 @@ def release(device, *, model=None, optimizer=None) -> None:
     if model is not None:
         for p in model.parameters():
             p.grad = None
+    _drain_autograd(device)
     gc.collect()
     device.empty_cache()
+
+
+def _drain_autograd(device) -> None:
+    """Run one trivial backward so the autograd engine drops what a failed backward left queued.
+
+    Measured on torch 2.13: after an OOM inside backward, nodes still queued for the failed graph
+    (with the activations they saved) stay referenced by the engine's ready queue until the next
+    backward runs on that device. A scalar backward is the cheapest way to make it let go.
+    """
+    with torch.enable_grad(), device.host():
+        x = torch.zeros((), requires_grad=True)
+        (x * 1.0).backward()
+    if device.type == "cuda":
+        with torch.enable_grad():
+            y = torch.zeros((), device=device.torch_device, requires_grad=True)
+            (y * 1.0).backward()

@@ -13,6 +13,7 @@ from .batches import batch_size as rows_of
 from .batches import dataset_batches, token_counter
 from .controller import Attempt, Controller
 from .device import open_device
+from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
 from .ladder import SizeLog, as_move, default_ladder
 from .plan import PRECISIONS, Plan
 from .step import StepRunner
@@ -29,6 +30,8 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     eval_history: list[dict] = field(default_factory=list)
     device: str = ""
+    budget: int | None = None                                 # bytes, when one was enforced
+    eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
 
     @property
     def oom_attempts(self) -> int:
@@ -88,7 +91,8 @@ def build_optimizer(optimizer, model):
 
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
-        eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True):
+        eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True,
+        metric_fn=None):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop."""
     if not isinstance(model, torch.nn.Module):
@@ -100,6 +104,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     first, epoch_batches = global_batches(data, batch_size, epochs)
     first_rows = rows_of(first)  # raises on a batch that cannot be split
+    if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
+        eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
     user_ladder = None if ladder is None else as_move(ladder)
 
     with open_device(budget) as device:
@@ -116,9 +122,19 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
                             count_tokens=token_counter(model) if loss_fn is None else None)
         controller = Controller(runner, moves, start, sizes=sizes, quiet=not progress)
-        result = RunResult(plan=start, device=device.describe())
+        result = RunResult(plan=start, device=device.describe(), budget=device.budget)
+        evaluation = None
+        if eval_data is not None:
+            sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
+
+            def evaluation(epoch):
+                done = evaluate(model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn, device=device,
+                                sizer=sizer, expect_like=first, progress=progress,
+                                start_batch_size=EVAL_START_FACTOR * controller.plan.micro_batch_size)
+                result.eval_attempts.extend(done.attempts)
+                result.eval_history.append(done.record(epoch))
         try:
-            _train(controller, epoch_batches, epochs, result, progress)
+            _train(controller, epoch_batches, epochs, result, progress, evaluation)
         finally:
             runner.close()
             if not was_training:
@@ -134,7 +150,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     return result
 
 
-def _train(controller, epoch_batches, epochs, result, progress) -> None:
+def _train(controller, epoch_batches, epochs, result, progress, evaluation=None) -> None:
     step = 0
     for epoch in range(epochs):
         batches = epoch_batches()
@@ -153,3 +169,5 @@ def _train(controller, epoch_batches, epochs, result, progress) -> None:
             step += 1
         if bar is not None:
             bar.close()
+        if evaluation is not None:
+            evaluation(epoch)

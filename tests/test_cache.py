@@ -57,7 +57,6 @@ def test_file_is_wal_sqlite_with_our_marks(tmp_path):
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
     conn.close()
-    assert path.read_bytes().count(b"pickle") == 0
 
 
 def test_missing_file_is_not_created(tmp_path):
@@ -112,22 +111,27 @@ def test_corrupt_file_found_by_put(tmp_path, caplog):
     assert [e["key"] for e in PlanCache(path).entries()] == ["k"]
 
 
-def test_corrupt_pages_are_moved_aside(tmp_path, caplog):
+@pytest.mark.parametrize("found_by", ["entries", "put"])
+def test_corrupt_pages_are_moved_aside(tmp_path, caplog, found_by):
     path = tmp_path / "plans.sqlite"
     cache = PlanCache(path)
-    for i in range(200):
-        cache.put(f"k{i}", FIELDS, entry())
+    for i in range(12):
+        cache.put(f"k{i}", {"pad": "x" * 3000}, entry())
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.execute("PRAGMA journal_mode=DELETE")  # everything in the main file, no -wal left
-    conn.close()
+    conn.close()  # the last connection: everything is in the main file, no -wal left
+    assert not path.with_name(path.name + "-wal").exists()
     data = bytearray(path.read_bytes())
     page = 4096
     assert len(data) > 4 * page
     data[2 * page:len(data)] = os.urandom(len(data) - 2 * page)  # keep the header and schema page
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="autofit.cache"):
-        assert cache.entries() == []
+        if found_by == "entries":
+            assert cache.entries() == []
+        else:
+            cache.put("new", FIELDS, entry())  # lands in a fresh file
+            assert [e["key"] for e in cache.entries()] == ["new"]
     [moved] = corrupt_files(path)
     assert moved.read_bytes() == bytes(data)
     [message] = warnings_of(caplog)
@@ -282,7 +286,7 @@ def test_bad_paths(tmp_path):
 def _writer(jobs, worker, barrier):
     for path, count in jobs:
         cache = PlanCache(path)
-        barrier.wait()  # start together, on a file that does not exist yet
+        barrier.wait(30)  # start together, on a file that does not exist yet
         for i in range(count):
             cache.put(f"w{worker}-{i}", {"worker": worker, "i": i}, entry(peak=worker * 1000 + i))
             cache.put("shared", {"worker": worker, "i": i}, entry(peak=worker * 1000 + i))
@@ -306,17 +310,23 @@ def check_written(path, count):
     assert corrupt_files(path) == []
 
 
-def test_two_processes_write_at_once(tmp_path, caplog):
-    # 50 puts each to one cache, then 20 fresh caches with 2 puts each: both processes race to
+def test_two_processes_write_at_once(tmp_path):
+    # 50 puts each to one cache, then 10 fresh caches with 2 puts each: both processes race to
     # create the file and its schema, which is where a naive open fails.
-    jobs = [(str(tmp_path / "plans.sqlite"), 50)] + [(str(tmp_path / f"c{n}.sqlite"), 2) for n in range(20)]
+    jobs = [(str(tmp_path / "plans.sqlite"), 50)] + [(str(tmp_path / f"c{n}.sqlite"), 2) for n in range(10)]
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_writer, args=(jobs, w, barrier)) for w in (1, 2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:  # a worker that died leaves the other at the barrier; do not hang
+            if p.is_alive():
+                p.terminate()
+                p.join()
     assert [p.exitcode for p in procs] == [0, 0]
     for path, count in jobs:
         check_written(pathlib.Path(path), count)
