@@ -82,8 +82,15 @@ def token_counter(model) -> "callable | None":
     return count
 
 
+# LM-head models whose loss does not shift labels (they predict masked/permuted tokens in place).
+_UNSHIFTED_LM_HEADS = {"XLNetLMHeadModel", "XLMWithLMHeadModel", "FlaubertWithLMHeadModel"}
+
+
 def _is_causal_lm(model) -> bool:
+    """Whether the model's own loss shifts labels by one (next-token prediction)."""
     name = type(model).__name__
+    if name in _UNSHIFTED_LM_HEADS:
+        return False
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 

@@ -69,6 +69,7 @@ class Checkpointing:
         self.initial = _hf_state(model) if self.hf else False
         self.blocks = None if self.hf else largest_block_list(model)
         self.on = self.initial
+        self._own_forward = {}
 
     @property
     def available(self) -> bool:
@@ -85,9 +86,15 @@ class Checkpointing:
         else:
             for block in self.blocks:
                 if on:
+                    # Remember a forward set on the instance (hooks, user wrappers) to put back.
+                    self._own_forward[block] = vars(block).get("forward")
                     block.forward = _checkpointed(block.forward)
                 elif getattr(block.forward, "__autofit_checkpoint__", False):
-                    del block.forward  # back to the class's forward
+                    previous = self._own_forward.pop(block, None)
+                    if previous is None:
+                        del block.forward  # back to the class's forward
+                    else:
+                        block.forward = previous
         self.on = on
 
     def restore(self) -> None:

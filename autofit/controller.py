@@ -93,7 +93,9 @@ class Controller:
         global_batch = batch_size(batch)
         self.plan = self.plan.with_micro_batch(self.plan.micro_batch_size, global_batch)
         self._fallback = None
-        if self.probe_up:
+        # No probe on a run's first step: the optimizer state does not exist yet, so a size that
+        # fits then proves nothing about the steps after it.
+        if self.probe_up and self.attempts:
             bigger = self.sizes.probe_up(self.plan, global_batch)
             if bigger is not None and self._worth_probing(bigger):
                 self._fallback, self._fallback_reason = self.plan, self.reason

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 
 import torch
 
@@ -199,17 +200,26 @@ class CudaDevice(Device):
 
 def _live_python_tensors(holds) -> list[torch.Tensor]:
     found = {}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance on some torch.distributed objects warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        found = _pick_tensors(objects, holds)
+    return sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())
+
+
+def _pick_tensors(objects, holds) -> dict:
+    found = {}
+    for obj in objects:
         try:
             if isinstance(obj, torch.Tensor) and holds(obj):
                 found.setdefault(id(obj.untyped_storage()), obj)
         except Exception:  # objects that fail isinstance checks or have no storage
             continue
-    return sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())
+    return found
 
 
 def describe_tensors(tensors, limit: int = 5) -> str:
-    """'3 tensors, 12.00 MiB: float32[8, 128, 768], ...' for error messages."""
+    """'3 tensor(s), 12.00 MiB: float32[8, 128, 768], ...' for error messages."""
     tensors = list(tensors)
     total = sum(round_bytes(t.untyped_storage().nbytes()) for t in tensors)
     shown = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in tensors[:limit])

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int but got {value!r}.")
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a global batch runs: split into micro-batches, precision, checkpointing, offload.
@@ -25,19 +30,17 @@ class Plan:
     offload_optimizer: bool = False
 
     def __post_init__(self):
-        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
-                or self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be a positive int but got {self.micro_batch_size!r}.")
-        if isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int) \
-                or self.accumulation_steps < 1:
-            raise ValueError(
-                f"accumulation_steps must be a positive int but got {self.accumulation_steps!r}.")
+        _positive("micro_batch_size", self.micro_batch_size)
+        _positive("accumulation_steps", self.accumulation_steps)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} but got {self.precision!r}.")
 
     @classmethod
     def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields) -> "Plan":
         """A plan whose micro-batches cover `global_batch` samples (micro-batch capped at it)."""
+        _positive("global_batch", global_batch)
+        if micro_batch_size is not None:
+            _positive("micro_batch_size", micro_batch_size)
         micro = min(micro_batch_size or global_batch, global_batch)
         return cls(micro_batch_size=micro, accumulation_steps=math.ceil(global_batch / micro), **fields)
 
@@ -50,6 +53,8 @@ class Plan:
         return dataclasses.replace(self, **fields)
 
     def with_micro_batch(self, micro_batch_size: int, global_batch: int) -> "Plan":
+        _positive("micro_batch_size", micro_batch_size)
+        _positive("global_batch", global_batch)
         micro = min(micro_batch_size, global_batch)
         return self.replace(micro_batch_size=micro, accumulation_steps=math.ceil(global_batch / micro))
 

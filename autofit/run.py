@@ -15,6 +15,7 @@ from .controller import Attempt, Controller
 from .device import open_device
 from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
 from .ladder import SizeLog, as_move, default_ladder
+from .memo import Memo
 from .plan import PRECISIONS, Plan
 from .step import StepRunner
 
@@ -118,10 +119,16 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         if precision == "fp16" and device.type == "cpu":
             log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
         start = Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision)
+        reason = "start: the whole global batch at once"
+        memo = Memo(model=model, batch=first, optimizer=opt, global_batch=first_rows,
+                    precision=precision, device=device, enabled=cache)
+        recalled = memo.recall(sizes)
+        if recalled is not None:
+            start, reason = recalled[0], f"cached: worked for this job on {device.describe()}"
         moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
         runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
                             count_tokens=token_counter(model) if loss_fn is None else None)
-        controller = Controller(runner, moves, start, sizes=sizes, quiet=not progress)
+        controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress)
         result = RunResult(plan=start, device=device.describe(), budget=device.budget)
         evaluation = None
         if eval_data is not None:
@@ -135,6 +142,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                 result.eval_history.append(done.record(epoch))
         try:
             _train(controller, epoch_batches, epochs, result, progress, evaluation)
+            memo.remember(controller.plan, sizes, controller.attempts,
+                          sum(h["samples"] for h in result.history))
         finally:
             runner.close()
             if not was_training:

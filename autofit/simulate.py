@@ -125,12 +125,14 @@ class SimulatedGPU:
                     given = {id(i.untyped_storage()) for i in inputs if isinstance(i, torch.Tensor)}
                 if key in given:
                     continue  # a view of, or an in-place write to, memory made outside the simulation
-            if nbytes and all(key != f[1] for f in fresh):
+            if all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them later
                 fresh.append((storage, key, nbytes, nbytes))
         if not fresh:
             return
         if check:
             for storage, key, extra, nbytes in fresh:
+                if extra == 0:
+                    continue  # an empty storage allocates nothing
                 if self._fail_at is not None and self._allocations == self._fail_at:
                     self._fail_at = None
                     self._allocations += 1

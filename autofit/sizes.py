@@ -27,6 +27,8 @@ def parse_size(value) -> int:
     if isinstance(value, float):
         if value <= 0 or value != value or value == float("inf"):
             raise ValueError(f"size must be a positive finite number but got {value!r}.")
+        if value < 1:
+            raise ValueError(f"size must be at least 1 byte but got {value!r}.")
         return int(value)
     if not isinstance(value, str):
         raise TypeError(f"size must be an int or a string like '2GiB' but got {type(value).__name__} "

@@ -289,3 +289,17 @@ def test_dataset_is_batched_by_the_global_batch():
     result = autofit.run(model, torch.utils.data.TensorDataset(x, y), batch_size=4, loss_fn=loss_fn,
                          progress=False)
     assert [h["samples"] for h in result.history] == [4, 4, 2]
+
+
+def test_second_run_of_the_same_job_starts_from_the_cached_plan():
+    batches = cls_batches(3, rows=16, seq=64)
+    p8 = second_step_peak(bert, batches[0], Plan.for_batch(16, 8))
+    first = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False)
+    assert first.oom_attempts >= 2
+    second = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False)
+    assert sequence(second) == [(0, 8, "ok"), (1, 8, "ok"), (2, 8, "ok")]
+    assert second.attempts[0].reason.startswith("cached: worked for this job")
+    other_budget = autofit.run(bert(), batches, budget=p8 * 4, precision="fp32", progress=False)
+    assert other_budget.attempts[0].reason.startswith("start")  # the budget is part of the key
+    fresh = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False, cache=False)
+    assert fresh.oom_attempts == first.oom_attempts

@@ -1,0 +1,516 @@
+"""Fake-tensor estimator: the peak device memory of one training step under a plan, without a GPU.
+
+The real step runs — `StepRunner` with the plan's micro-batches, autocast, checkpointing and offload,
+the user's optimizer class and loss — on a copy of the model made of fake tensors
+(`FakeTensorMode`): every op computes shapes, dtypes and strides, and no byte of data is allocated.
+A counter (the simulated GPU's: live storages, 512-byte rounding, freed when their Python object
+dies) sees every op and keeps the total by kind, so the breakdown at the moment of the peak costs
+nothing extra.
+
+What is measured is a *second* step: before it, the optimizer takes one step on zero gradients, so
+its state (AdamW: two moments per parameter) exists, as it does from the second step of a real run.
+
+`device_type="cuda"` predicts a CUDA card rather than this CPU: `scaled_dot_product_attention` is
+routed to the kernels CUDA runs (flash attention for fp16/bf16 without a mask, else memory-efficient
+attention: O(T) memory, where CPU's math path keeps the O(T^2) attention matrix), the optimizer uses
+the multi-tensor (`foreach`) implementation CUDA picks by default, and AdamW's `step` counters, which
+CUDA keeps on the host, are not counted. `device_type="cpu"` keeps CPU's choices, so an estimate can be
+checked against the simulated GPU running the same step on real CPU tensors.
+
+All fake tensors are on device `cpu` (fake `cuda` tensors abort the process in autograd on a CPU-only
+build); the user's model, optimizer and batch are read, never changed, and their data is never
+copied: parameters of a model on `meta`, `cpu` or `cuda` all work.
+
+fp16 plans are measured as bf16 (same sizes; GradScaler's bookkeeping needs real values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import itertools
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .batches import batch_size, slice_batch
+from .device import Device, _map_tensors
+from .memory import KINDS, format_breakdown
+from .plan import Plan
+from .simulate import SimulatedGPU, _CountingMode, round_bytes
+from .step import StepRunner
+
+DEVICE_TYPES = ("cuda", "cpu")
+SCALER_BYTES = 2 * 512  # GradScaler's scale and growth tracker, which an fp16 plan adds
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak device memory of one training step under `plan`.
+
+    `breakdown` is the memory by kind at the moment of the peak and sums to `peak_bytes`:
+    params (and buffers), grads, optimizer (state), activations (what forward and backward keep
+    and make), other (the micro-batch on the device, optimizer temporaries, the rest).
+    """
+
+    plan: Plan
+    peak_bytes: int
+    breakdown: dict = field(compare=False)
+    device_type: str = "cuda"
+    # What the model's training holds besides activations, whatever the batch and plan:
+    # {"params" (and buffers), "grads", "optimizer" (state)}. An offloaded plan keeps the state on
+    # the host (its breakdown shows 0), but it is listed here: it is what offload moved.
+    resident: dict = field(default_factory=dict, compare=False)
+    optimizer: str = "AdamW"  # the optimizer's class name, for messages
+    # The peak while optimizer.step() ran on the device: parameters, gradients, state and the
+    # update's temporaries, the same for every plan that does not offload (None when it did).
+    step_bytes: int | None = field(default=None, compare=False)
+
+    def describe(self, budget: int | None = None) -> str:
+        """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
+        return format_breakdown(self.breakdown, budget)
+
+
+# -- the counter, with a kind per storage ------------------------------------------------------
+
+class _Meter(SimulatedGPU):
+    """The simulated GPU's counter keeping running totals by kind and the breakdown at its peak.
+
+    The peak kept here (`top`) is reset only by `start()`, not by the step's own
+    `reset_peak_memory_stats()` calls, so it is the whole step's peak.
+    """
+
+    name = "estimator"
+
+    def __init__(self):
+        super().__init__(None)
+        self.kind = "activations"        # the kind new storages get
+        self._kinds: dict[int, str] = {}  # storage key -> kind
+        self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it
+        self.totals = dict.fromkeys(KINDS, 0)
+        self.top = 0
+        self.top_breakdown = dict(self.totals)
+        self.in_step = False   # inside optimizer.step()
+        self.step_top = None   # the peak while it ran
+        self.carried = None    # the earlier micro-batches' loss total, until the step
+
+    def start(self) -> None:
+        self.top = self._allocated
+        self.top_breakdown = dict(self.totals)
+
+    def step_begins(self, *_) -> None:
+        self.carried = None  # the step's own total has replaced it
+        self.kind, self.in_step = "other", True  # the update's temporaries
+        self.step_top = max(self.step_top or 0, self._allocated)
+
+    def step_ends(self, *_) -> None:
+        self.kind, self.in_step = "activations", False
+
+    @contextlib.contextmanager
+    def as_kind(self, kind: str):
+        previous, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = previous
+
+    def _account(self, tensors, check: bool = True, inputs=()) -> None:
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        super()._account(tensors, check, inputs)
+        for t in tensors:
+            key = id(t.untyped_storage())
+            entry = self._live.get(key)
+            if entry is None:
+                continue
+            kind = self._kinds.get(key)
+            if kind is None:
+                self._kinds[key] = kind = self.kind
+                self.totals[kind] += entry[1]
+                self._sizes[key] = entry[1]
+            elif self._sizes[key] != entry[1]:  # resized in place
+                self.totals[kind] += entry[1] - self._sizes[key]
+                self._sizes[key] = entry[1]
+        if self._allocated > self.top:
+            self.top = self._allocated
+            self.top_breakdown = dict(self.totals)
+        if self.in_step and self._allocated > self.step_top:
+            self.step_top = self._allocated
+
+    def _forget(self, key: int, nbytes: int) -> None:
+        if key in self._live:
+            kind = self._kinds.pop(key, None)
+            size = self._sizes.pop(key, nbytes)
+            if kind is not None:
+                self.totals[kind] -= size
+        super()._forget(key, nbytes)
+
+    def retag(self, tensors, kind: str) -> None:
+        """Count these tensors' storages as `kind` from now on (a gradient made in backward)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = id(t.untyped_storage())
+            old = self._kinds.get(key)
+            if old is not None and old != kind and key in self._live:
+                size = self._sizes[key]
+                self.totals[old] -= size
+                self.totals[kind] += size
+                self._kinds[key] = kind
+
+
+class _FakeDevice(Device):
+    """The device StepRunner runs on during an estimate: fake CPU tensors, counted by the meter."""
+
+    counts = True
+    type = "cpu"
+    name = "estimator"
+
+    def __init__(self, meter: _Meter):
+        self.meter = meter
+
+    def memory_allocated(self):
+        return self.meter.memory_allocated()
+
+    def max_memory_allocated(self):
+        return self.meter.max_memory_allocated()
+
+    def reset_peak_memory_stats(self):
+        self.meter.reset_peak_memory_stats()
+
+    def to_device(self, batch):
+        with self.meter.as_kind("other"):
+            return _map_tensors(batch, lambda t: t.clone())
+
+    def host(self):
+        return self.meter.untracked()
+
+
+# -- attention as CUDA runs it --------------------------------------------------------------------
+
+_routing_lock = threading.Lock()
+_routing = {"users": 0, "original": None, "modes": weakref.WeakSet()}
+
+
+def _routed_attention(query, key, value, *args, **kwargs):
+    mode = getattr(query, "fake_mode", None)
+    if mode is not None and mode in _routing["modes"]:
+        return cuda_attention(query, key, value, *args, **kwargs)
+    return _routing["original"](query, key, value, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _attention_as_on_cuda(mode: FakeTensorMode):
+    """While inside, SDPA on this fake mode's tensors runs CUDA's kernels; every other call is untouched.
+
+    A function mode cannot do this: the autograd engine does not carry function modes into backward,
+    where checkpointing recomputes the forward, and a recomputation that took another path than the
+    forward is an error. So `F.scaled_dot_product_attention` itself is wrapped while any estimate
+    needs it; the wrapper routes only fake tensors of an estimate's own mode, so other threads and
+    real tensors go to the original.
+    """
+    with _routing_lock:
+        if _routing["users"] == 0:
+            _routing["original"] = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _routed_attention
+        _routing["users"] += 1
+        _routing["modes"].add(mode)
+    try:
+        yield
+    finally:
+        with _routing_lock:
+            _routing["modes"].discard(mode)
+            _routing["users"] -= 1
+            if _routing["users"] == 0:
+                F.scaled_dot_product_attention = _routing["original"]
+                _routing["original"] = None
+
+
+def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """Scaled dot-product attention through flash / memory-efficient attention's (fake) kernels."""
+    if torch.is_autocast_enabled(query.device.type):  # SDPA is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
+    with torch.autocast(query.device.type, enabled=False):
+        if key.size(-3) != query.size(-3):  # grouped-query attention
+            repeat = query.size(-3) // key.size(-3)
+            key = key.repeat_interleave(repeat, dim=-3)
+            value = value.repeat_interleave(repeat, dim=-3)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device
+                                    ).masked_fill_(attn_mask.logical_not(), -math.inf)
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        if low and attn_mask is None and query.size(-1) <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None:
+            attn_mask = attn_mask.expand(query.size(0), query.size(-3), query.size(-2), key.size(-2))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
+
+
+# -- fake copies --------------------------------------------------------------------------------
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor with t's shape, strides, dtype and requires_grad (call under the mode)."""
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else fake
+
+
+def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """A copy of `model` whose tensors are fake (call under a FakeTensorMode); {id(real): fake}.
+
+    The copy shares nothing with the model, and no tensor data is copied: a deepcopy whose memo
+    already maps every tensor of the model to its fake stand-in.
+    """
+    memo: dict = {}
+    fakes: dict = {}
+    tensors = itertools.chain(model.parameters(), model.buffers(),
+                              (v for m in model.modules() for v in vars(m).values()
+                               if isinstance(v, torch.Tensor)))
+    for t in tensors:
+        if id(t) not in fakes:
+            fakes[id(t)] = memo[id(t)] = _fake_like(t)
+    return copy.deepcopy(model, memo), fakes
+
+
+# -- the optimizer ------------------------------------------------------------------------------
+
+def _group_options(groups) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _same_kind(optimizer, groups) -> torch.optim.Optimizer:
+    """An optimizer of the same class and options over `groups`.
+
+    Only the defaults its constructor accepts are passed (AdamW's defaults hold
+    `decoupled_weight_decay`, which AdamW() refuses); all of them are set afterwards.
+    """
+    cls = type(optimizer)
+    parameters = inspect.signature(cls.__init__).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if open_ended or k in parameters}
+    built = cls(groups, **kwargs)
+    built.defaults.update(optimizer.defaults)
+    for g, options in zip(built.param_groups, _group_options(groups)):
+        g.update(options)
+    return built
+
+
+def fake_optimizer(optimizer, model, fakes: dict, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer the step would use, over the fake parameters (call under the mode).
+
+    None: AdamW; an Optimizer: its class, groups and options, with its state made fake; a factory:
+    called with the fake parameters. For CUDA, an implementation left to the default becomes
+    foreach, as CUDA would pick (fake tensors would otherwise get the single-tensor loop).
+    """
+    if optimizer is None:
+        built = torch.optim.AdamW([fakes[id(p)] for p in model.parameters()])
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in fakes]
+        if missing:
+            raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
+                             f"the model (e.g. {list(missing[0].shape)}); build it over "
+                             f"model.parameters().")
+        groups = [{**options, "params": [fakes[id(p)] for p in g["params"]]}
+                  for g, options in zip(optimizer.param_groups, _group_options(optimizer.param_groups))]
+        built = _same_kind(optimizer, groups)
+        for p, state in optimizer.state.items():
+            if id(p) in fakes:
+                built.state[fakes[id(p)]] = {k: _fake_like(v) if isinstance(v, torch.Tensor) else v
+                                             for k, v in state.items()}
+    elif callable(optimizer):
+        built = optimizer(list(fakes[id(p)] for p in model.parameters()))
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
+                            f"torch.optim.Optimizer built over the parameters it is given.")
+    else:
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or "
+                        f"None but got {type(optimizer).__name__}.")
+    if device_type == "cuda":
+        for g in built.param_groups:
+            if "foreach" in g and g["foreach"] is None and not g.get("fused"):
+                g["foreach"] = True
+    return built
+
+
+def _warm(optimizer) -> None:
+    """One step on zero gradients: the optimizer's state now exists, as from a real run's 2nd step."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(not optimizer.state.get(p) for p in params):
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _on_device_state(optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors that live on the device.
+
+    The scalar `step` counters stay in host memory (CUDA keeps them on the CPU unless the
+    optimizer is capturable or fused; on the simulated GPU they are made outside its counter).
+    """
+    out = []
+    for group in optimizer.param_groups:
+        device_steps = bool(group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and (device_steps or not (k == "step" and v.dim() == 0)):
+                    out.append(v)
+    return out
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = id(t.untyped_storage())
+        if key not in seen:
+            seen.add(key)
+            total += round_bytes(t.untyped_storage().nbytes())
+    return total
+
+
+# -- the estimate -------------------------------------------------------------------------------
+
+class Estimator:
+    """Fake copies of a model, its optimizer (with state) and a batch, made once; `measure(plan)`
+    runs one step per plan. `estimate()` is one plan; `autofit.capacity.rank` measures many."""
+
+    def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+        if device_type not in DEVICE_TYPES:
+            raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)} but got "
+                             f"{device_type!r}.")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got "
+                            f"{loss_fn!r}.")
+        self.rows = batch_size(batch)  # raises on a batch that cannot be split
+        self.device_type, self.loss_fn = device_type, loss_fn
+        self.estimates = 0  # how many plans were measured
+        # A shape environment only so that the step's closing `loss.item()` gives a symbol.
+        self.mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+        with self._quiet(), self.mode:
+            self.model, fakes = fake_model(model)
+            self.model.train()
+            self.optimizer = fake_optimizer(optimizer, model, fakes, device_type)
+            _warm(self.optimizer)
+            self.batch = _map_tensors(batch, _fake_like)
+        self.optimizer_name = type(self.optimizer).__name__
+        self.resident = self._resident()
+
+    def _quiet(self):
+        """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(_disable_current_modes())
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        return stack
+
+    def _state(self) -> list[torch.Tensor]:
+        return _on_device_state(self.optimizer)
+
+    def _resident(self) -> dict:
+        """Bytes that every plan keeps on the device at its optimizer step, whatever the batch."""
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return {"params": _storage_bytes(params),
+                "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
+                "optimizer": _storage_bytes(self._state())}
+
+    def measure(self, plan: Plan) -> MemoryEstimate:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+        with self._quiet():
+            estimate = self._measure(plan)
+        self.estimates += 1
+        return estimate
+
+    def _measure(self, plan: Plan) -> MemoryEstimate:
+        meter = _Meter()
+        device = _FakeDevice(meter)
+        # fp16 has bf16's sizes; GradScaler's found-inf check needs real values.
+        run_plan = plan.replace(precision="bf16") if plan.precision == "fp16" else plan
+        # With accumulation, every micro-batch after the first holds what the first held plus all
+        # the gradients (and the loss total so far), and they are alike: one full micro-batch run
+        # on existing gradients measures the peak of them all.
+        batch, accumulates = self.batch, self.rows > plan.micro_batch_size
+        if accumulates:
+            batch = slice_batch(batch, 0, plan.micro_batch_size)
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        state = [] if plan.offload_optimizer else self._state()
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
+                 for p in _unique(self.model.parameters()) if p.requires_grad]
+        hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
+        hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
+        attention = (_attention_as_on_cuda(self.mode) if self.device_type == "cuda"
+                     else contextlib.nullcontext())
+        try:
+            with self.mode, attention, _CountingMode(meter):
+                with meter.as_kind("params"):
+                    meter.track(params)
+                with meter.as_kind("optimizer"):
+                    meter.track(state)
+                if accumulates:
+                    with meter.as_kind("grads"), torch.no_grad():
+                        for p in _unique(self.model.parameters()):
+                            if p.requires_grad:
+                                p.grad = torch.zeros_like(p)
+                    with meter.as_kind("other"):
+                        meter.carried = torch.zeros(())  # the loss total so far, a scalar
+                runner = StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+                meter.start()
+                try:
+                    runner.run(batch, run_plan)
+                finally:
+                    runner.close()
+        finally:
+            for h in hooks:
+                h.remove()
+            self.optimizer.zero_grad(set_to_none=True)
+        peak, breakdown = meter.top, dict(meter.top_breakdown)
+        if plan.precision == "fp16":
+            peak += SCALER_BYTES
+            breakdown["other"] += SCALER_BYTES
+        return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
+                              device_type=self.device_type, resident=dict(self.resident),
+                              step_bytes=meter.step_top,
+                              optimizer=self.optimizer_name)
+
+
+def _unique(tensors):
+    seen = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def estimate(model, batch, plan: Plan, optimizer=None, loss_fn=None, *,
+             device_type: str = "cuda") -> MemoryEstimate:
+    """Predict the peak device memory of a training step of `model` on `batch` under `plan`.
+
+    `batch` is one global batch (on any device, `meta` included); `optimizer` is None (AdamW), an
+    Optimizer (its class, options and current state) or a factory `params -> Optimizer`; `loss_fn`
+    as in `autofit.run`. Nothing of the caller's is changed and no tensor data is allocated.
+
+    >>> est = estimate(model, batch, Plan(micro_batch_size=8, accumulation_steps=4))  # doctest: +SKIP
+    >>> est.peak_bytes, est.breakdown  # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type).measure(plan)

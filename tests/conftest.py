@@ -1,0 +1,44 @@
+"""Shared fixtures. The plain builders live in tests/models.py (`from models import tiny_bert`);
+this directory is put on sys.path so that import works however pytest is started."""
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+# `models` imports transformers (seconds): import it inside the fixtures, so test files that need no
+# model do not pay for it.
+
+
+@pytest.fixture(name="tiny_bert")
+def _tiny_bert():
+    from models import tiny_bert
+    return tiny_bert()
+
+
+@pytest.fixture(name="tiny_gpt2")
+def _tiny_gpt2():
+    from models import tiny_gpt2
+    return tiny_gpt2()
+
+
+@pytest.fixture(name="bert_batch")
+def _bert_batch():
+    from models import bert_batch
+    return bert_batch()
+
+
+@pytest.fixture(name="gpt2_batch")
+def _gpt2_batch():
+    from models import gpt2_batch
+    return gpt2_batch()
+
+
+@pytest.fixture(autouse=True)
+def _private_plan_cache(tmp_path, monkeypatch):
+    """Every test gets its own plan cache: runs must not learn from other tests' runs."""
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "autofit-cache"))

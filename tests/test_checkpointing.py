@@ -1,0 +1,208 @@
+import re
+
+import pytest
+import torch
+
+from autofit.checkpointing import Checkpointing, largest_block_list
+from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
+
+
+def grads_of(model, run):
+    model.zero_grad(set_to_none=True)
+    run(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(a, b):
+    assert a.keys() == b.keys() and a
+    worst = max(float((a[n] - b[n]).abs().max()) for n in a)
+    assert worst <= 1e-6, worst
+
+
+class Counted(torch.nn.Module):
+    calls = 0
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x, scale=1.0):
+        type(self).calls += 1
+        return torch.tanh(self.linear(x)) * scale
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        # More entries but fewer parameters than the blocks: the blocks are chosen by parameters.
+        self.stem = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Identity(),
+                                        torch.nn.Identity())
+        self.blocks = torch.nn.ModuleList(Counted() for _ in range(3))
+        self.lonely = torch.nn.ModuleList([torch.nn.Linear(16, 64)])                # len 1: not blocks
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h, scale=0.5)
+        return self.head(h)
+
+
+def net_loss(model):
+    torch.manual_seed(1)
+    return model(torch.randn(4, 8)).square().mean()
+
+
+def calls_per_step(model):
+    Counted.calls = 0
+    net_loss(model).backward()
+    return Counted.calls
+
+
+# -- plain modules -------------------------------------------------------------------------------
+
+def test_largest_block_list():
+    net = Net()
+    assert largest_block_list(net) is net.blocks
+    assert largest_block_list(torch.nn.Linear(2, 2)) is None
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert largest_block_list(seq) is seq
+
+
+def test_plain_model_blocks_are_wrapped_and_gradients_do_not_change():
+    net = Net()
+    reference = grads_of(net, net_loss)
+    assert calls_per_step(net) == 3
+    ck = Checkpointing(net)
+    assert (ck.hf, ck.initial, ck.on, ck.available) == (False, False, False, True)
+    assert ck.blocks is net.blocks
+    ck.set(True)
+    assert ck.on
+    assert all("forward" in vars(b) and b.forward.__autofit_checkpoint__ for b in net.blocks)
+    assert "forward" not in vars(net.stem[0]) and "forward" not in vars(net.head)
+    assert calls_per_step(net) == 6                 # every block's forward runs again in backward
+    assert_same_grads(grads_of(net, net_loss), reference)
+    ck.set(True)                                    # already on: not wrapped twice
+    assert calls_per_step(net) == 6
+    with torch.no_grad():
+        Counted.calls = 0
+        net(torch.randn(2, 8))
+        assert Counted.calls == 3                   # nothing to recompute without grad
+    ck.restore()
+    assert not ck.on
+    assert all("forward" not in vars(b) for b in net.blocks)
+    assert calls_per_step(net) == 3
+    assert_same_grads(grads_of(net, net_loss), reference)
+
+
+def test_without_grad_blocks_run_directly(monkeypatch):
+    import autofit.checkpointing as module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint() called without grad")
+    net = Net()
+    Checkpointing(net).set(True)
+    monkeypatch.setattr(module, "checkpoint", refuse)
+    with torch.no_grad():
+        out = net(torch.randn(2, 8))
+    assert out.shape == (2, 1)
+    with pytest.raises(AssertionError, match="without grad"):  # with grad it is called
+        net(torch.randn(2, 8))
+
+
+def test_plain_model_switched_off_and_on_again():
+    net = Net()
+    ck = Checkpointing(net)
+    ck.set(True)
+    ck.set(False)
+    assert all("forward" not in vars(b) for b in net.blocks)
+    ck.set(True)
+    assert calls_per_step(net) == 6
+    ck.restore()
+    assert calls_per_step(net) == 3
+
+
+def test_restore_keeps_a_forward_that_was_set_on_the_instance_before():
+    # BUG (autofit/checkpointing.py:77-91, Checkpointing.set): switching off does `del block.forward`,
+    # which drops every instance-level forward, not only autofit's wrapper. A forward patched on the
+    # instance before autofit came (accelerate's hooks, a user's wrapper) is lost after restore().
+    # Fix: remember each block's previous `vars(block).get("forward")` and put it back (or delete the
+    # attribute only when there was none).
+    net = Net()
+    seen = []
+    for block in net.blocks:
+        original = block.forward
+
+        def patched(*args, _original=original, **kwargs):
+            seen.append(1)
+            return _original(*args, **kwargs)
+        block.forward = patched
+    ck = Checkpointing(net)
+    ck.set(True)
+    ck.restore()
+    seen.clear()
+    net_loss(net)
+    assert len(seen) == 3
+
+
+def test_a_model_without_blocks_cannot_be_checkpointed():
+    model = torch.nn.Linear(4, 4)
+    ck = Checkpointing(model)
+    assert (ck.available, ck.blocks, ck.hf) == (False, None, False)
+    with pytest.raises(ValueError, match=re.escape(
+            "Linear has no repeated blocks to checkpoint (no ModuleList/Sequential); leave checkpointing off "
+            "in the ladder.")):
+        ck.set(True)
+    assert not ck.on
+    ck.set(False)                                   # off is always possible
+    ck.restore()
+
+
+# -- Hugging Face models -------------------------------------------------------------------------
+
+def bert_loss(model):
+    return model(**bert_batch(rows=4, seq=8)).loss
+
+
+def gpt2_loss(model):
+    return model(**gpt2_batch(rows=4, seq=8)).loss
+
+
+@pytest.mark.parametrize("make, loss, inner", [
+    (tiny_bert, bert_loss, lambda m: m.bert.encoder.layer[0].attention),
+    (tiny_gpt2, gpt2_loss, lambda m: m.transformer.h[0].attn),
+], ids=["bert", "gpt2"])
+def test_hugging_face_switch_on_off_and_restore(make, loss, inner):
+    model = make().train()
+    reference = grads_of(model, loss)
+    calls = []
+    # A module inside a layer: the layer's own hooks run outside the checkpoint, its insides twice.
+    inner(model).register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def layer_calls():
+        calls.clear()
+        loss(model).backward()
+        return len(calls)
+    assert layer_calls() == 1
+    ck = Checkpointing(model)
+    assert (ck.hf, ck.initial, ck.blocks, ck.available) == (True, False, None, True)
+    ck.set(True)
+    assert model.is_activation_checkpointing
+    assert layer_calls() == 2                       # recomputed in backward
+    assert_same_grads(grads_of(model, loss), reference)
+    ck.restore()
+    assert not model.is_activation_checkpointing and not ck.on
+    assert layer_calls() == 1
+    assert_same_grads(grads_of(model, loss), reference)
+
+
+def test_hugging_face_model_that_came_with_checkpointing_on_gets_it_back(tiny_bert):  # the conftest fixture
+    model = tiny_bert.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ck = Checkpointing(model)
+    assert (ck.initial, ck.on) == (True, True)
+    ck.set(False)
+    assert not model.is_activation_checkpointing
+    ck.restore()
+    assert model.is_activation_checkpointing

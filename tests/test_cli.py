@@ -1,0 +1,531 @@
+"""The command line, in-process through `main(argv)`: exit codes and the lines people read."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from autofit import cli
+from autofit.cache import PlanCache
+from autofit.cli import main
+from autofit.plan import Plan
+
+KNOWN = "bert-base, distilbert, gpt2, tiny-bert, tiny-gpt2"
+TINY = ["--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16"]
+
+
+@pytest.fixture(autouse=True)
+def no_cuda(monkeypatch, tmp_path):
+    """Every case runs as on a CPU-only machine with its own empty plan cache."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def write(name, source):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        written.append(name)
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+USER_MODULE = """
+    import torch
+    from autofit.models import load
+    def boom():
+        raise RuntimeError("boom")
+    def wrong():
+        return 42
+    def bad_batch(batch_size, seq_len):
+        model, batch = load("tiny-bert", batch_size=batch_size, seq_len=seq_len)
+        return model, {"input_ids": batch["input_ids"], "pixel_values": torch.zeros(batch_size, 3)}
+"""
+
+
+# -- bad usage: one line on stderr, exit 2, nothing on stdout -----------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["probe", "--gpu-mem", "banana"],
+     "--gpu-mem 'banana': cannot read the size 'banana'; use a number with an optional unit, e.g. "
+     "'2GiB', '512MiB', '2GB' or '1073741824'."),
+    (["probe", "--gpu-mem=-2GiB"],
+     "--gpu-mem '-2GiB': cannot read the size '-2GiB'; use a number with an optional unit, e.g. "
+     "'2GiB', '512MiB', '2GB' or '1073741824'."),
+    (["probe", "--gpu-mem", "0"], "--gpu-mem '0': size must be at least 1 byte but got '0'."),
+    (["probe", "--gpu-mem", "2GiB", "--model", "nope"],
+     f"unknown model 'nope'; built-in models are {KNOWN}; or give a config.json path or module:function."),
+    (["probe", "--gpu-mem", "2GiB", "--model", "no/such/config.json"],
+     f"no config file at 'no/such/config.json'; give a transformers config.json (or its directory), a "
+     f"built-in name ({KNOWN}), or module:function."),
+    (["probe", "--gpu-mem", "2GiB", "--model", "af_cli_user:boom"], "af_cli_user:boom() raised RuntimeError: boom"),
+    (["probe", "--gpu-mem", "2GiB", "--model", "af_cli_user:wrong"],
+     "af_cli_user:wrong() must return (model, sample_batch) with model a torch.nn.Module but returned int."),
+    (["probe", "--gpu-mem", "2GiB", "--model", "af_cli_missing:build"],
+     "cannot import 'af_cli_missing' for 'af_cli_missing:build': ModuleNotFoundError: No module named "
+     "'af_cli_missing'"),
+    (["probe", "--gpu-mem", "2GiB", "--batch-size", "0"], "--batch-size must be a positive integer but got 0."),
+    (["probe", "--gpu-mem", "2GiB", "--seq-len", "-5"], "--seq-len must be a positive integer but got -5."),
+    (["probe", "--gpu-mem", "2GiB", "--model", "bert-base", "--seq-len", "600"],
+     "seq_len 600 is longer than BertForSequenceClassification takes (512 positions); pass --seq-len 512 "
+     "or less."),
+    (["probe", "--gpu-mem", "2GiB", "--context-reserve", "lots"],
+     "--context-reserve 'lots': cannot read the size 'lots'; use a number with an optional unit, e.g. "
+     "'2GiB', '512MiB', '2GB' or '1073741824'."),
+    (["probe", "--gpu-mem", "2GiB", "--verify"],
+     "--verify trains real steps on a CUDA device and this machine has none; drop --verify to get the "
+     "prediction alone."),
+    # argparse's own errors, in the same one-line shape
+    (["probe"], "the following arguments are required: --gpu-mem (see 'autofit probe --help')"),
+    (["probe", "--gpu-mem", "2GiB", "--batch-size", "many"],
+     "argument --batch-size: invalid int value: 'many' (see 'autofit probe --help')"),
+    (["probe", "--gpu-mem", "2GiB", "--precision", "int8"],
+     "argument --precision: invalid choice: 'int8' (choose from 'auto', 'fp32', 'bf16', 'fp16') "
+     "(see 'autofit probe --help')"),
+    (["train"], "argument COMMAND: invalid choice: 'train' (choose from 'probe', 'demo', 'cache') "
+                "(see 'autofit --help')"),
+    (["demo", "--steps", "0"], "--steps must be a positive integer but got 0."),
+    (["demo", "--budget", "lots"],
+     "--budget 'lots': cannot read the size 'lots'; use a number with an optional unit, e.g. '2GiB', "
+     "'512MiB', '2GB' or '1073741824'."),
+    (["cache", "show"], "the following arguments are required: KEY (see 'autofit cache show --help')"),
+])
+def test_bad_usage(capsys, user_module, argv, message):
+    user_module("af_cli_user", USER_MODULE)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == f"autofit: error: {message}\n"
+    assert out == ""
+
+
+@pytest.mark.parametrize("argv", [[], ["cache"]])
+def test_no_command_prints_help_and_exits_2(capsys, argv):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"usage: autofit {' '.join(argv)}".rstrip() + " [-h]")
+
+
+@pytest.mark.parametrize("argv, first", [
+    (["--help"], "usage: autofit [-h] [--debug] [--version] COMMAND ..."),
+    (["probe", "--help"], "usage: autofit probe [-h] [--debug] --gpu-mem SIZE [--model SPEC]"),
+    (["--version"], "autofit 0.1.0"),
+])
+def test_help_and_version_exit_0(capsys, argv, first):
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == first
+    assert err == ""
+
+
+def test_debug_shows_the_traceback(capsys):
+    assert main(["probe", "--gpu-mem", "2GiB", "--model", "nope", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n")
+    assert err.endswith(f"autofit: error: unknown model 'nope'; built-in models are {KNOWN}; or give a "
+                        f"config.json path or module:function.\n")
+
+
+def test_unexpected_errors_exit_3_without_a_traceback(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "cmd_cache_list", lambda args: 1 / 0)
+    assert main(["cache", "list"]) == 3
+    assert capsys.readouterr().err == ("autofit: error: unexpected ZeroDivisionError: division by zero; "
+                                       "rerun with --debug for the traceback\n")
+
+
+# -- probe ----------------------------------------------------------------------------------------
+
+def probe_json(capsys, *argv):
+    code = main(["probe", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return code, json.loads(out), err
+
+
+PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer"]
+ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "fits", "cost", "chosen"]
+KINDS = ["params", "grads", "optimizer", "activations", "other"]
+JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",
+               "context_reserve_bytes", "context_reserve_source", "budget_bytes", "margin", "usable_bytes",
+               "fits", "plan", "predicted_peak_bytes", "table", "breakdown", "reason"]
+
+
+def test_probe_json_fits(capsys):
+    code, got, err = probe_json(capsys, "--gpu-mem", "1GiB", *TINY)
+    assert code == 0
+    assert err == ""
+    assert list(got) == JSON_FIELDS
+    assert got["gpu_mem_bytes"] == 2**30
+    assert got["context_reserve_bytes"] == cli.DEFAULT_CONTEXT_RESERVE == 429496729
+    assert got["context_reserve_source"] == "assumed: no CUDA here to measure it"
+    assert got["budget_bytes"] == 2**30 - 429496729
+    assert (got["margin"], got["usable_bytes"]) == (0.9, int((2**30 - 429496729) * 0.9))
+    assert (got["model"], got["model_class"], got["parameters"]) == ("tiny-bert",
+                                                                     "BertForSequenceClassification", 168258)
+    assert (got["batch_size"], got["seq_len"], got["precision"]) == (8, 16, "auto")
+    assert got["fits"] is True and got["reason"] is None
+    assert list(got["plan"]) == PLAN_FIELDS
+    assert Plan.from_dict(got["plan"]).global_batch >= 8
+    rows = got["table"]
+    assert rows and all(list(r) == ROW_FIELDS for r in rows)
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["fits"] is True
+    assert {k: chosen[0][k] for k in PLAN_FIELDS} == got["plan"]
+    assert chosen[0]["peak_bytes"] == got["predicted_peak_bytes"]
+    assert list(got["breakdown"]) == KINDS
+    assert sum(got["breakdown"].values()) == got["predicted_peak_bytes"]
+    assert got["breakdown"]["params"] >= 168258 * 4  # fp32 master weights
+
+
+def test_probe_text_fits(capsys):
+    assert main(["probe", "--gpu-mem", "1GiB", "--context-reserve", "0.5GiB", *TINY]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[:5] == [
+        "model            tiny-bert (BertForSequenceClassification, 0.17M parameters)",
+        "global batch     8 x 16 tokens",
+        "gpu memory       1.00 GiB",
+        "context reserve  512.00 MiB (given)",
+        "budget           512.00 MiB for tensors; a plan fits in 90% of it (460.80 MiB), the rest is left "
+        "to allocator fragmentation",
+    ]
+    assert lines[6] == ("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
+                        "whole batch):")
+    assert lines[7].split() == ["micro", "accum", "precision", "checkpointing", "offload", "time", "predicted",
+                                "peak", "fits"]
+    # Plenty of room: the whole batch at once in fp32, the fastest plan, is the first row and chosen.
+    assert lines[9].split() == ["*", "8", "1", "fp32", "no", "no", "1.00", *lines[9].split()[7:9], "yes"]
+    chosen = [line for line in lines if line.startswith("*")]
+    assert len(chosen) == 1 and chosen[0].endswith("yes")
+    assert any(line.startswith("chosen plan: micro ") for line in lines)
+    assert any(line.startswith("predicted peak: ") and "of a 512.00 MiB budget (params " in line
+               for line in lines)
+    assert err == ""
+
+
+def test_probe_does_not_fit(capsys):
+    # 0.5 MiB for tensors: less than tiny-bert's parameters alone (0.64 MiB in fp32).
+    code = main(["probe", "--gpu-mem", "1MiB", "--context-reserve", "0.5MiB", *TINY])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "no plan fits" in out.splitlines()
+    assert any(line.startswith("predicted peak: ") and "of a 512.00 KiB budget (params " in line
+               for line in out.splitlines())
+    assert "*" not in [line[:1] for line in out.splitlines()]
+    assert err.startswith("autofit: does not fit: ")
+    assert len(err.splitlines()) == 1
+
+
+def test_probe_json_does_not_fit(capsys):
+    code, got, err = probe_json(capsys, "--gpu-mem", "1MiB", "--context-reserve", "0.5MiB", *TINY)
+    assert code == 1
+    assert got["fits"] is False and got["plan"] is None
+    assert isinstance(got["reason"], str) and got["reason"]
+    assert err == f"autofit: does not fit: {got['reason']}\n"
+    assert all(r["fits"] is False and r["chosen"] is False for r in got["table"])
+    assert list(got["breakdown"]) == KINDS
+    assert got["breakdown"]["params"] > got["budget_bytes"]
+    assert got["predicted_peak_bytes"] == min(r["peak_bytes"] for r in got["table"])
+
+
+def test_probe_card_smaller_than_the_context_reserve(capsys):
+    code, got, err = probe_json(capsys, "--gpu-mem", "256MiB", *TINY)
+    assert code == 1
+    assert (got["fits"], got["plan"], got["table"], got["budget_bytes"]) == (False, None, [], 0)
+    assert err == ("autofit: does not fit: the card's 256.00 MiB is all taken by the CUDA context reserve "
+                   "(409.60 MiB); nothing is left for tensors.\n")
+
+
+def test_probe_a_batch_the_model_cannot_take(capsys, user_module):
+    user_module("af_cli_user", USER_MODULE)
+    code = main(["probe", "--gpu-mem", "2GiB", "--model", "af_cli_user:bad_batch", "--batch-size", "4",
+                 "--seq-len", "8"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.startswith("autofit: error: estimating a training step of af_cli_user:bad_batch on its sample "
+                          "batch (BertForSequenceClassification, 0.17M parameters; batch input_ids[4, 8], "
+                          "pixel_values[4, 3]) failed: ")
+    assert len(err.splitlines()) == 1
+
+
+def test_probe_config_json(capsys, tmp_path):
+    import transformers
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=100, architectures=["BertForSequenceClassification"]
+                            ).to_json_file(str(tmp_path / "config.json"))
+    code, got, _ = probe_json(capsys, "--gpu-mem", "1GiB", "--model", str(tmp_path), "--batch-size", "4",
+                              "--seq-len", "8")
+    assert code == 0
+    assert (got["model"], got["model_class"]) == (str(tmp_path), "BertForSequenceClassification")
+
+
+def test_probe_bert_base_on_2gib(capsys):
+    """The design's headline: BERT-base (the default), 32 x 128, on a 2 GiB card, no GPU."""
+    code, got, _ = probe_json(capsys, "--gpu-mem", "2GiB")
+    assert code == 0
+    assert (got["model"], got["parameters"], got["batch_size"], got["seq_len"]) == ("bert-base", 109483778,
+                                                                                    32, 128)
+    assert got["budget_bytes"] == 2 * 2**30 - 429496729
+    assert got["predicted_peak_bytes"] <= got["usable_bytes"]
+    # fp32 parameters (418 MiB), their gradients (418 MiB) and AdamW's two moments (835 MiB) need
+    # 1.63 GiB, more than the 1.44 GiB usable: the optimizer state has to leave the card.
+    assert got["plan"]["offload_optimizer"] is True
+    assert got["breakdown"]["params"] >= 109483778 * 4
+    assert got["breakdown"]["optimizer"] == 0
+    assert all(r["offload_optimizer"] for r in got["table"])
+
+
+MiB = 2**20
+
+
+def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib):
+    from autofit.capacity import Candidate
+    from autofit.estimate import MemoryEstimate
+    plan = Plan(micro, accum, precision)
+    breakdown = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
+                 "activations": activations_mib * MiB, "other": (peak_mib - 400 - activations_mib) * MiB}
+    return Candidate(plan, MemoryEstimate(plan, peak_mib * MiB, breakdown), fits, cost)
+
+
+def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
+    """The CLI's own part, exactly: the table, the mark on the fastest fitting plan, its breakdown."""
+    from autofit import capacity
+    calls = []
+    ranked = [candidate(32, 1, "fp32", 900, False, 1.0, 480), candidate(16, 2, "fp32", 700, True, 1.0303, 290),
+              candidate(8, 4, "bf16", 500, True, 1.2545, 96)]
+
+    def rank(model, batch, budget, **kwargs):
+        calls.append((type(model).__name__, {k: list(v.shape) for k, v in batch.items()}, budget, kwargs))
+        return ranked
+
+    monkeypatch.setattr(capacity, "rank", rank)
+    argv = ["probe", "--gpu-mem", "1GiB", "--context-reserve", "200MiB", *TINY]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert calls == [("BertForSequenceClassification", {"input_ids": [8, 16], "attention_mask": [8, 16],
+                                                        "labels": [8]}, 824 * MiB,
+                      {"precision": "auto", "margin": 0.9, "device_type": "cuda"})]
+    assert out.splitlines()[6:] == [
+        "plans estimated, fastest first (* chosen; time relative to one fp32 pass over the whole batch):",
+        "   micro  accum  precision  checkpointing  offload  time  predicted peak  fits",
+        "-  -----  -----  ---------  -------------  -------  ----  --------------  ----",
+        "      32      1  fp32       no             no       1.00      900.00 MiB  no",
+        "*     16      2  fp32       no             no       1.03      700.00 MiB  yes",
+        "       8      4  bf16       no             no       1.25      500.00 MiB  yes",
+        "",
+        "chosen plan: micro 16 x 2, fp32",
+        "predicted peak: 700.00 MiB of a 824.00 MiB budget (params 100.00 MiB, grads 100.00 MiB, "
+        "optimizer 200.00 MiB, activations 290.00 MiB, other 10.00 MiB)",
+    ]
+    assert err == ""
+    assert main(argv + ["--json", "--precision", "bf16"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert calls[-1][3] == {"precision": "bf16", "margin": 0.9, "device_type": "cuda"}
+    assert [r["chosen"] for r in got["table"]] == [False, True, False]
+    assert got["plan"] == Plan(16, 2).to_dict()
+    assert got["predicted_peak_bytes"] == 700 * MiB
+    assert got["breakdown"] == {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
+                                "activations": 290 * MiB, "other": 10 * MiB}
+    assert [r["cost"] for r in got["table"]] == [1.0, 1.0303, 1.2545]
+
+
+def test_probe_margin_leaves_room_for_fragmentation(capsys):
+    # tiny-bert 8 x 16 in fp32 is predicted at 3.25 MiB: it fits a 3.5 MiB budget only without a margin.
+    code, got, _ = probe_json(capsys, "--gpu-mem", "3.5MiB", "--context-reserve", "0", *TINY)
+    first = got["table"][0]
+    assert (first["micro_batch_size"], first["precision"], first["offload_optimizer"]) == (8, "fp32", False)
+    assert 0.9 * 3.5 * MiB < first["peak_bytes"] <= 3.5 * MiB
+    assert first["fits"] is False
+    assert code == 0 and got["plan"] != Plan(8, 1).to_dict()
+
+
+def test_probe_measures_the_context_reserve_where_cuda_is(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 * 2**30 - 517 * MiB, 80 * 2**30))
+    code, got, _ = probe_json(capsys, "--gpu-mem", "1GiB", *TINY)
+    assert code == 0
+    assert got["context_reserve_bytes"] == 517 * MiB
+    assert got["context_reserve_source"] == "measured: total - free after CUDA initialised, nothing allocated"
+    assert got["budget_bytes"] == 2**30 - 517 * MiB
+
+
+def test_probe_verify_trains_real_steps_under_the_budget(capsys, monkeypatch):
+    """--verify on a CUDA machine; here autofit.run gets a simulated card of the budget's size."""
+    import autofit
+    real_run, calls = autofit.run, []
+
+    def run_on_a_simulated_card(model, data, *, budget, **kwargs):
+        calls.append((type(model).__name__, {p.device.type for p in model.parameters()}, len(data), budget,
+                      kwargs))
+        with autofit.simulate_gpu(budget):
+            return real_run(model, data, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
+    code = main(["probe", "--gpu-mem", "4MiB", "--context-reserve", "0", "--verify", *TINY])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert calls == [("BertForSequenceClassification", {"cpu"}, 3, 4 * 2**20,
+                      {"precision": "auto", "progress": False, "cache": False})]
+    lines = out.splitlines()
+    start = lines.index("verifying: 3 real steps on CUDA under a 4.00 MiB budget")
+    assert lines[start + 1].split() == ["step", "plan", "outcome", "peak", "reason"]
+    assert [line.split()[:7] for line in lines[start + 3:start + 6]] == [
+        [str(step), "micro", "8", "x", "1,", "fp32", "ok"] for step in range(3)]
+    assert lines[-1].startswith("verified plan: micro 8 x 1, fp32, measured peak ")
+    assert lines[-1].endswith(" (predicted 3.25 MiB for micro 8 x 1, fp32)")
+    assert err == ""
+
+
+def test_probe_verify_that_does_not_fit_exits_1(capsys, monkeypatch):
+    import autofit
+    from autofit.errors import DoesNotFit
+
+    def nothing_fits(model, data, **kwargs):
+        raise DoesNotFit("no plan of the ladder fits global batch 8 at step 0 on a card.\nmore")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autofit, "run", nothing_fits)
+    assert main(["probe", "--gpu-mem", "1GiB", "--context-reserve", "0.5GiB", "--verify", *TINY]) == 1
+    out, err = capsys.readouterr()
+    assert "verifying: 3 real steps on CUDA under a 512.00 MiB budget" in out.splitlines()
+    assert err == "autofit: does not fit: no plan of the ladder fits global batch 8 at step 0 on a card.\n"
+
+
+# -- demo -----------------------------------------------------------------------------------------
+
+def test_demo_steps_down_and_finishes(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["demo"]) == 0
+        assert torch.get_num_threads() == 2  # the demo's one thread is given back
+    finally:
+        torch.set_num_threads(before)
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == ("model: tiny-bert (BertForSequenceClassification, 0.17M parameters, random weights), "
+                        "global batch 64 x 64 tokens, 4 step(s)")
+    assert lines[1].startswith("simulated GPU: 8.00 MiB ")
+    assert lines[3].split() == ["step", "plan", "outcome", "peak", "reason"]
+    rows = [line.split("  ") for line in lines[5:lines.index("", 5)]]
+    rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
+    assert rows[0][:3] == ["0", "micro 64 x 1, fp32", "oom"]
+    assert rows[0][4] == "start: the whole global batch at once"
+    outcomes = [row[2] for row in rows]
+    assert outcomes.count("oom") >= 1
+    assert {row[0] for row in rows if row[2] == "ok"} == {"0", "1", "2", "3"}  # every step trained
+    final = rows[-1][1]
+    assert rows[-1][2] == "ok"
+    assert f"final plan: {final} (global batch 64 unchanged)" in lines
+    assert lines[-1].startswith(f"{outcomes.count('oom')} out-of-memory attempt(s) caught and replayed; "
+                                f"4 step(s) trained, loss ")
+    assert err == ""
+
+
+def test_demo_that_cannot_fit_exits_1(capsys):
+    assert main(["demo", "--budget", "1MiB", "--steps", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0].startswith("autofit: does not fit: no plan of the ladder fits global batch 64 "
+                                          "at step 0 on simulated GPU (1.00 MiB)")
+    assert "oom" in out and " ok " not in out
+
+
+# -- cache ----------------------------------------------------------------------------------------
+
+FIELDS = {"model": {"class": "transformers.models.bert.modeling_bert.BertForSequenceClassification",
+                    "params": "ab" * 32, "n_params": 10},
+          "global_batch": 32, "device": {"name": "NVIDIA GeForce GTX 1050", "total": 2 * 2**30}}
+
+
+def put(key, micro, fields=FIELDS):
+    plan = Plan.for_batch(32, micro, precision="bf16", checkpointing=micro < 8)
+    PlanCache().put(key, fields, {"plan": plan.to_dict(), "peak_bytes": 1536 * 2**20,
+                                  "calibration": 1.05, "throughput": None})
+
+
+def test_cache_list_show_clear(capsys, tmp_path):
+    path = tmp_path / "cache" / "plans.sqlite"
+    assert main(["cache", "list"]) == 0
+    assert capsys.readouterr().out == f"plan cache: {path}\nno cached plans\n"
+    put("a1b2c3d4e5f6a7b8c9", 8)
+    put("ffee0011", 4, fields={"global_batch": 16})
+    assert main(["cache", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"plan cache: {path}"
+    assert lines[1].split() == ["key", "model", "global", "batch", "device", "plan", "peak", "when", "(UTC)"]
+    assert lines[3].split()[:10] == ["ffee0011", "-", "16", "-", "micro", "4", "x", "8,", "bf16,", "checkpointing"]
+    assert lines[4].split()[:11] == ["a1b2c3d4e5f6", "BertForSequenceClassification", "32", "NVIDIA",
+                                     "GeForce", "GTX", "1050", "micro", "8", "x", "4,"]
+    assert lines[4].split()[12:14] == ["1.50", "GiB"]
+    assert len(lines) == 5
+
+    assert main(["cache", "show", "a1b2"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {"key": "a1b2c3d4e5f6a7b8c9", "fields": FIELDS,
+                     "entry": {**PlanCache().get("a1b2c3d4e5f6a7b8c9")}}
+    assert shown["entry"]["plan"] == Plan(8, 4, "bf16").to_dict()
+
+    for key in ("0000", "b2c3"):  # a prefix, not any substring
+        assert main(["cache", "show", key]) == 1
+        assert capsys.readouterr().err == (f"autofit: error: no cached plan has a key starting with "
+                                           f"'{key}' in {path}; `autofit cache list` shows the keys.\n")
+
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out == f"removed 2 cached plan(s) from {path}\n"
+    assert PlanCache().entries() == []
+
+
+def test_cache_show_ambiguous_prefix_is_bad_usage(capsys):
+    put("abc1", 8)
+    put("abc2", 4)
+    assert main(["cache", "show", "abc"]) == 2
+    assert capsys.readouterr().err == ("autofit: error: 2 cached plans have a key starting with 'abc'; give "
+                                       "more of the key.\n")
+    assert main(["cache", "show", "abc2"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"] == "abc2"
+
+
+def test_corrupt_cache_is_reported_not_trusted(capsys, tmp_path):
+    path = tmp_path / "cache" / "plans.sqlite"
+    path.parent.mkdir()
+    path.write_bytes(b"this is not sqlite at all" * 100)
+    assert main(["cache", "list"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"plan cache: {path}\nno cached plans\n"
+    assert err.startswith(f"autofit: warning: plan cache {path}: ")
+
+
+# -- the table formatter the CLI prints with ------------------------------------------------------
+
+def test_table_aligns_numbers_right_and_text_left():
+    from autofit.report import key_values, table
+    assert table(["plan", "micro", "peak", "fits"],
+                 [["micro 8 x 4", 8, 1.5, True], ["micro 16 x 2", 16, None, False]]).splitlines() == [
+        "plan          micro  peak  fits",
+        "------------  -----  ----  ----",
+        "micro 8 x 4       8   1.5  yes",
+        "micro 16 x 2     16     -  no",
+    ]
+    assert table(["a", "b"], [["x", 1]], align="rl", indent="  ").splitlines() == [
+        "  a  b", "  -  -", "  x  1"]
+    assert key_values([("gpu", "2 GiB"), ("context reserve", 0.4)]).splitlines() == [
+        "gpu              2 GiB", "context reserve  0.4"]
+
+
+@pytest.mark.parametrize("headers, rows, align, message", [
+    (["a", "b"], [["x"]], None, "row 0 has 1 cells but there are 2 headers (['a', 'b'])."),
+    (["a", "b"], [["x", 1]], "lx", "align must have one 'l' or 'r' per column (2) but got 'lx'."),
+])
+def test_table_errors(headers, rows, align, message):
+    from autofit.report import table
+    with pytest.raises(ValueError) as info:
+        table(headers, rows, align=align)
+    assert str(info.value) == message

@@ -1,0 +1,295 @@
+import re
+
+import pytest
+
+from autofit.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
+                            checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer)
+from autofit.plan import Plan
+
+SHRINK_8 = "smaller micro-batch, more accumulation (not below 8)"
+SHRINK_1 = "smaller micro-batch, more accumulation (not below 1)"
+BF16 = "bf16 autocast halves activation memory"
+FP16 = "fp16 autocast halves activation memory"
+CKPT = "activation checkpointing recomputes activations in backward"
+OFFLOAD = "optimizer state moves to CPU memory"
+
+
+def walk(move, plan, limit=50):
+    """Every (plan, reason) the move steps through until it returns None."""
+    out = []
+    while (taken := move.take(plan)) is not None:
+        plan, why = taken
+        out.append((plan, why))
+        assert len(out) < limit, f"the ladder does not end: {out[-3:]}"
+    assert move(plan) is None
+    return out
+
+
+def P(micro, acc=1, precision="fp32", ckpt=False, offload=False):
+    return Plan(micro_batch_size=micro, accumulation_steps=acc, precision=precision, checkpointing=ckpt,
+                offload_optimizer=offload)
+
+
+def test_default_ladder_auto_walks_the_documented_order():
+    # DESIGN.md / default_ladder's docstring: micro-batch down to BUSY_FLOOR, bf16, checkpointing,
+    # micro-batch down to 1, optimizer offload, then nothing.
+    assert BUSY_FLOOR == 8
+    assert walk(default_ladder(SizeLog(), "auto"), P(64)) == [
+        (P(32, 2), SHRINK_8),
+        (P(16, 4), SHRINK_8),
+        (P(8, 8), SHRINK_8),
+        (P(8, 8, "bf16"), BF16),
+        (P(8, 8, "bf16", ckpt=True), CKPT),
+        (P(4, 16, "bf16", ckpt=True), SHRINK_1),
+        (P(2, 32, "bf16", ckpt=True), SHRINK_1),
+        (P(1, 64, "bf16", ckpt=True), SHRINK_1),
+        (P(1, 64, "bf16", ckpt=True, offload=True), OFFLOAD),
+    ]
+
+
+def test_default_ladder_is_auto_by_default_and_a_plain_callable():
+    ladder = default_ladder(SizeLog())
+    assert ladder(P(64)) == P(32, 2)
+    assert ladder(P(8, 8)) == P(8, 8, "bf16")
+    assert repr(ladder) == ("ShrinkMicroBatch(floor=8) | SetField(precision='bf16') | "
+                            "SetField(checkpointing=True) | ShrinkMicroBatch(floor=1) | "
+                            "SetField(offload_optimizer=True)")
+
+
+def test_default_ladder_without_bf16_uses_fp16():
+    assert walk(default_ladder(SizeLog(), "auto", bf16_supported=False), P(8, 8)) == [
+        (P(8, 8, "fp16"), FP16),
+        (P(8, 8, "fp16", ckpt=True), CKPT),
+        (P(4, 16, "fp16", ckpt=True), SHRINK_1),
+        (P(2, 32, "fp16", ckpt=True), SHRINK_1),
+        (P(1, 64, "fp16", ckpt=True), SHRINK_1),
+        (P(1, 64, "fp16", ckpt=True, offload=True), OFFLOAD),
+    ]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_fixed_precision_never_changes(precision):
+    ladder = default_ladder(SizeLog(), precision)
+    assert walk(ladder, P(32, 1, precision)) == [
+        (P(16, 2, precision), SHRINK_8),
+        (P(8, 4, precision), SHRINK_8),
+        (P(8, 4, precision, ckpt=True), CKPT),
+        (P(4, 8, precision, ckpt=True), SHRINK_1),
+        (P(2, 16, precision, ckpt=True), SHRINK_1),
+        (P(1, 32, precision, ckpt=True), SHRINK_1),
+        (P(1, 32, precision, ckpt=True, offload=True), OFFLOAD),
+    ]
+
+
+def test_auto_ladder_does_not_switch_an_already_mixed_plan():
+    assert [p for p, _ in walk(default_ladder(SizeLog(), "auto"), P(8, 1, "fp16"))] == [
+        P(8, 1, "fp16", ckpt=True), P(4, 2, "fp16", ckpt=True), P(2, 4, "fp16", ckpt=True),
+        P(1, 8, "fp16", ckpt=True), P(1, 8, "fp16", ckpt=True, offload=True)]
+
+
+def test_uneven_sizes_stop_at_the_floor_and_round_accumulation_up():
+    # A move only sees the plan, so the batch it keeps covering is micro * accumulation, which grows
+    # when the micro-batch does not divide it: 12 -> 8 x 2 (covers 16) -> 4 x 4, not 4 x 3. The
+    # controller renormalises every step-down with Plan.with_micro_batch(size, real global batch).
+    ladder = default_ladder(SizeLog(), "auto")
+    assert [p for p, _ in walk(ladder, Plan.for_batch(12))] == [
+        P(8, 2), P(8, 2, "bf16"), P(8, 2, "bf16", ckpt=True), P(4, 4, "bf16", ckpt=True),
+        P(2, 8, "bf16", ckpt=True), P(1, 16, "bf16", ckpt=True), P(1, 16, "bf16", ckpt=True, offload=True)]
+    # Below the floor the first shrink has nothing to do: bf16 comes first.
+    assert [p for p, _ in walk(ladder, P(5))] == [
+        P(5, 1, "bf16"), P(5, 1, "bf16", ckpt=True), P(2, 3, "bf16", ckpt=True),
+        P(1, 6, "bf16", ckpt=True), P(1, 6, "bf16", ckpt=True, offload=True)]
+    assert P(4, 4).with_micro_batch(4, 12) == P(4, 3)
+
+
+def test_a_fully_stepped_down_plan_has_no_step_left():
+    ladder = default_ladder(SizeLog(), "auto")
+    assert ladder(P(1, 64, "bf16", ckpt=True, offload=True)) is None
+    assert ladder.take(P(1, 64, "bf16", ckpt=True, offload=True)) is None
+
+
+# -- SizeLog ------------------------------------------------------------------------------------
+
+def test_sizelog_records_largest_fit_and_smallest_failure_per_configuration():
+    log = SizeLog()
+    log.record(P(8), True)
+    log.record(P(4), True)
+    log.record(P(32), False)
+    log.record(P(64), False)
+    log.record(P(16, precision="bf16"), True)
+    assert log.fits == {("fp32", False, False): 8, ("bf16", False, False): 16}
+    assert log.fails == {("fp32", False, False): 32}
+    assert config_of(P(2, 3, "bf16", ckpt=True, offload=True)) == ("bf16", True, True)
+
+
+def test_sizelog_caps_sizes_at_the_global_batch():
+    log = SizeLog()
+    log.record(P(64), True, global_batch=10)
+    log.record(P(64, precision="bf16"), False, global_batch=10)
+    assert log.fits == {("fp32", False, False): 10}
+    assert log.fails == {("bf16", False, False): 10}
+
+
+def test_a_failure_at_or_below_a_fit_forgets_the_fit():
+    # It fitted before the optimizer state existed; it does not any more.
+    log = SizeLog()
+    log.record(P(16), True)
+    log.record(P(32), False)
+    assert log.fits == {("fp32", False, False): 16}
+    log.record(P(16), False)
+    assert log.fits == {} and log.fails == {("fp32", False, False): 16}
+
+
+def test_known_to_fail():
+    log = SizeLog()
+    log.record(P(16), False)
+    assert [log.known_to_fail(P(n)) for n in (8, 15, 16, 17, 64)] == [False, False, True, True, True]
+    assert not log.known_to_fail(P(64, precision="bf16"))
+    assert not log.known_to_fail(P(64, ckpt=True))
+
+
+@pytest.mark.parametrize("fit, fail, plan, global_batch, expected", [
+    (16, 32, P(16, 4), 64, P(24, 3)),       # halfway between the fit and the failure
+    (16, None, P(16, 4), 64, P(64, 1)),     # nothing failed yet: try the whole batch
+    (16, 20, P(16, 4), 64, P(18, 4)),
+    (16, 18, P(16, 4), 64, P(17, 4)),
+    (16, 17, P(16, 4), 64, None),           # settled: 16 fits, 17 fails
+    (64, None, P(64, 1), 64, None),         # the whole batch fits
+    (16, 32, P(8, 8), 64, None),            # the plan is not at the largest fit
+    (None, 32, P(16, 4), 64, None),         # no fit known
+    (10, None, P(10, 1), 12, P(12, 1)),
+])
+def test_probe_up(fit, fail, plan, global_batch, expected):
+    log = SizeLog()
+    if fit is not None:
+        log.record(P(fit), True)
+    if fail is not None:
+        log.record(P(fail), False)
+    assert log.probe_up(plan, global_batch) == expected
+
+
+def test_probe_up_only_reads_the_plans_configuration():
+    log = SizeLog()
+    log.record(P(16), True)
+    log.record(P(17), False)
+    log.record(P(16, precision="bf16"), True)
+    assert log.probe_up(P(16, 4), 64) is None
+    assert log.probe_up(P(16, 4, "bf16"), 64) == P(64, 1, "bf16")
+
+
+# -- ShrinkMicroBatch ---------------------------------------------------------------------------
+
+def test_shrink_prefers_a_size_known_to_fit_over_blind_halving():
+    log = SizeLog()
+    log.record(P(24), True)
+    shrink = ShrinkMicroBatch(log, floor=1)
+    assert shrink(P(32, 2)) == P(24, 3)       # 16 < 24 < 32: jump to 24
+    assert shrink(P(64, 1)) == P(32, 2)       # 24 is not between 32 and 64
+    assert shrink(P(24, 3)) == P(12, 6)       # at the fit already: halve
+    assert shrink(P(32, 2, "bf16")) == P(16, 4, "bf16")  # the fit of another configuration is ignored
+
+
+def test_shrink_floor():
+    shrink = ShrinkMicroBatch(SizeLog(), floor=3)
+    assert [p for p, _ in walk(shrink, P(16))] == [P(8, 2), P(4, 4), P(3, 6)]
+    assert shrink(P(3, 6)) is None
+    assert shrink(P(2, 8)) is None
+    assert repr(shrink) == "ShrinkMicroBatch(floor=3)"
+    assert shrink.why == "smaller micro-batch, more accumulation (not below 3)"
+    with pytest.raises(ValueError, match=re.escape("floor must be >= 1 but got 0.")):
+        ShrinkMicroBatch(SizeLog(), floor=0)
+
+
+# -- single moves -------------------------------------------------------------------------------
+
+def test_set_field_moves():
+    assert checkpointing()(P(8)) == P(8, ckpt=True)
+    assert checkpointing()(P(8, ckpt=True)) is None
+    assert offload_optimizer()(P(8)) == P(8, offload=True)
+    assert offload_optimizer()(P(8, offload=True)) is None
+    assert checkpointing().take(P(8)) == (P(8, ckpt=True), CKPT)
+    assert repr(SetField("checkpointing", True, "x")) == "SetField(checkpointing=True)"
+
+
+def test_mixed_precision_only_leaves_fp32():
+    assert mixed_precision()(P(8)) == P(8, 1, "bf16")
+    assert mixed_precision("fp16")(P(8)) == P(8, 1, "fp16")
+    assert mixed_precision("bf16")(P(8, 1, "fp16")) is None
+    assert mixed_precision("fp16")(P(8, 1, "bf16")) is None
+    assert mixed_precision("bf16")(P(8, 1, "bf16")) is None
+    with pytest.raises(ValueError, match=re.escape("mixed precision is 'bf16' or 'fp16' but got 'fp8'.")):
+        mixed_precision("fp8")
+    with pytest.raises(ValueError, match="'fp32'"):
+        mixed_precision("fp32")
+
+
+def test_base_move_has_no_step():
+    with pytest.raises(NotImplementedError):
+        Move()(P(8))
+
+
+# -- composition --------------------------------------------------------------------------------
+
+def double_accumulation(plan):
+    """twice the accumulation"""
+    return plan.replace(accumulation_steps=plan.accumulation_steps * 2) if plan.accumulation_steps < 4 else None
+
+
+def never(plan):
+    return None
+
+
+def test_or_tries_the_left_move_first_then_the_right():
+    move = checkpointing() | offload_optimizer()
+    assert isinstance(move, Either)
+    assert walk(move, P(8)) == [(P(8, ckpt=True), CKPT), (P(8, ckpt=True, offload=True), OFFLOAD)]
+    reverse = offload_optimizer() | checkpointing()
+    assert walk(reverse, P(8)) == [(P(8, offload=True), OFFLOAD), (P(8, ckpt=True, offload=True), CKPT)]
+
+
+def test_composition_flattens_and_accepts_plain_functions_on_either_side():
+    move = (checkpointing() | double_accumulation) | (never | offload_optimizer())
+    assert [type(m) for m in move.moves] == [SetField, FunctionMove, FunctionMove, SetField]
+    assert repr(move) == "SetField(checkpointing=True) | double_accumulation | never | SetField(offload_optimizer=True)"
+    left = double_accumulation | checkpointing()  # Move.__ror__
+    assert repr(left) == "double_accumulation | SetField(checkpointing=True)"
+    assert walk(left, P(8)) == [(P(8, 2), "twice the accumulation"), (P(8, 4), "twice the accumulation"),
+                                (P(8, 4, ckpt=True), CKPT)]
+
+
+def test_function_move_reason_is_its_docstring_else_its_name():
+    assert FunctionMove(double_accumulation).why == "twice the accumulation"
+    assert FunctionMove(never).why == "never"
+    assert FunctionMove(never).take(P(8)) is None
+
+
+def test_function_move_must_return_a_plan_or_none():
+    with pytest.raises(TypeError, match=re.escape("returned 3; a move returns a Plan or None.")):
+        as_move(lambda plan: 3)(P(8))
+
+
+def test_as_move():
+    move = checkpointing()
+    assert as_move(move) is move
+    listed = as_move([never, checkpointing(), offload_optimizer()])
+    assert isinstance(listed, Either) and walk(listed, P(8)) == [
+        (P(8, ckpt=True), CKPT), (P(8, ckpt=True, offload=True), OFFLOAD)]
+    assert as_move((checkpointing(),))(P(8)) == P(8, ckpt=True)
+    with pytest.raises(ValueError, match=re.escape("ladder=[] has no move")):
+        as_move([])
+    with pytest.raises(TypeError, match=re.escape("a move is a callable Plan -> Plan | None, but got 42.")):
+        as_move(42)
+    with pytest.raises(TypeError, match="got 'x'"):
+        checkpointing() | "x"
+
+
+def test_either_of_nothing_that_steps_returns_none():
+    assert Either(as_move(never), as_move(never))(P(8)) is None
+    assert Either()(P(8)) is None
+
+
+def test_moves_never_change_the_plan_they_are_given():
+    plan = P(64)
+    ladder = default_ladder(SizeLog(), "auto")
+    ladder(plan)
+    assert plan == P(64)
