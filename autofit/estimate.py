@@ -476,19 +476,20 @@ class Estimator:
                 meter.start()
                 try:
                     runner.run(batch, run_plan)
+                    # Read before close(): bringing offloaded state back is the end of a run.
+                    peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
                 finally:
                     runner.close()
         finally:
             for h in hooks:
                 h.remove()
             self.optimizer.zero_grad(set_to_none=True)
-        peak, breakdown = meter.top, dict(meter.top_breakdown)
         if plan.precision == "fp16":
             peak += SCALER_BYTES
             breakdown["other"] += SCALER_BYTES
         return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
                               device_type=self.device_type, resident=dict(self.resident),
-                              step_bytes=meter.step_top,
+                              step_bytes=step,
                               optimizer=self.optimizer_name)
 
 

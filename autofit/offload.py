@@ -32,7 +32,7 @@ class Offloaded:
             defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             defaults.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in defaults})
             self.host = type(optimizer)(groups, **defaults)
-            self.host.load_state_dict(optimizer.state_dict())
+            self.host.load_state_dict(_state_dict_copy(optimizer, lambda v: v.detach().to("cpu", copy=True)))
             _restore_group_options(self.host, groups)
         # The device copy of the state is now redundant: free it.
         optimizer.state.clear()
@@ -69,7 +69,7 @@ class Offloaded:
     def give_back(self) -> None:
         """Put the state back into the user's optimizer (on the device), e.g. at the end of a run."""
         options = [{k: g[k] for k in _HOST_ONLY_DEFAULTS if k in g} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(self.host.state_dict())
+        self.optimizer.load_state_dict(_state_dict_copy(self.host, self.device.to_device))
         for group, kept in zip(self.optimizer.param_groups, options):
             group.update(kept)
         self.host.state.clear()
@@ -81,3 +81,17 @@ def _restore_group_options(optimizer, groups) -> None:
         for k in _HOST_ONLY_DEFAULTS:
             if k in group:
                 group[k] = wanted[k]
+
+
+def _state_dict_copy(optimizer, move) -> dict:
+    """The optimizer's state_dict with every state tensor but `step` passed through `move`.
+
+    load_state_dict alone would share tensors that are already on the target device (always the
+    case on the simulated GPU, whose host and device are both the CPU); `step` stays where
+    load_state_dict's own policy puts it.
+    """
+    saved = optimizer.state_dict()
+    saved["state"] = {i: {k: (move(v) if torch.is_tensor(v) and k != "step" else v)
+                          for k, v in s.items()}
+                      for i, s in saved["state"].items()}
+    return saved

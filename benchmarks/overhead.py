@@ -1,0 +1,163 @@
+"""What autofit costs when nothing runs out of memory, and what the simulated GPU costs.
+
+    python benchmarks/overhead.py [--repeats 5] [--steps 20] [--warmup 5]
+
+Table 1: per-step time of `autofit.run` against a hand-written loop running the SAME plan (the
+whole global batch as one micro-batch, the same AdamW, fp32) on the plain CPU device (no budget, no
+simulated GPU). A step's time is the interval between the ends of two consecutive successful
+`optimizer.step()` calls (a post-step hook), so it includes everything each loop does between steps:
+data, splitting, loss bookkeeping, the controller. Each repeat builds a fresh model and runs
+warm-up + measured steps for every method, in alternating order; a method's figure is the median of
+its per-repeat medians, and the ratio is the median of per-repeat ratios (paired, so a noisy
+neighbour on the machine moves both sides of a ratio together).
+
+Table 2: the same plain loop inside `autofit.simulate_gpu()` (counting every storage, no budget)
+against outside it; and, for reference, `autofit.run` on a simulated GPU with no budget and with an
+ample budget (where the atomic optimizer step decides whether it needs a host snapshot).
+
+torch.set_num_threads(1) throughout, for stable timings on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import tempfile
+import time
+
+import torch
+
+from common import (StepClock, adamw, bert, cls_batches, max_abs_diff, median, plain_step,
+                    print_environment, setup, table)
+
+import autofit  # noqa: E402  (common put the checkout on sys.path)
+
+HIDDEN, LAYERS, SEQ, BATCH, VOCAB = 128, 2, 64, 16, 1000
+
+
+def build():
+    return bert(hidden=HIDDEN, layers=LAYERS, seq=SEQ, vocab=VOCAB)
+
+
+def run_plain(batches, gpu_budget="off"):
+    """The hand-written loop; gpu_budget "off": plain CPU, else inside simulate_gpu(gpu_budget)."""
+    model = build()
+    model.train()
+    clock = StepClock()
+    opt = clock.attach(adamw(model.parameters()))
+    ctx = contextlib.nullcontext() if gpu_budget == "off" else autofit.simulate_gpu(gpu_budget)
+    with ctx as gpu:
+        if gpu is not None:
+            gpu.track(list(model.parameters()) + list(model.buffers()))
+        for b in batches:
+            plain_step(model, opt, b)
+    return clock, model
+
+
+def run_autofit(batches, gpu_budget="off", progress=False):
+    model = build()
+    clock = StepClock()
+    ctx = contextlib.nullcontext() if gpu_budget == "off" else autofit.simulate_gpu(gpu_budget)
+    quiet = contextlib.redirect_stderr(io.StringIO()) if progress else contextlib.nullcontext()
+    with ctx, quiet:
+        result = autofit.run(model, batches, optimizer=lambda p: clock.attach(adamw(p)),
+                             progress=progress, precision="fp32")
+    assert result.oom_attempts == 0, "overhead run hit an OOM; the budget is not ample"
+    assert result.plan.micro_batch_size == BATCH and result.plan.accumulation_steps == 1, result.plan
+    return clock, model
+
+
+def measure(methods: dict, batches, warmup: int, repeats: int):
+    """{name: {"wall"/"cpu": [per-repeat median step seconds]}} and the last model of each method."""
+    times = {name: {"wall": [], "cpu": []} for name in methods}
+    models = {}
+    names = list(methods)
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            clock, model = methods[name](batches)
+            for kind in ("wall", "cpu"):  # intervals ending at steps warmup+1 ...
+                times[name][kind].append(median(clock.intervals(skip=warmup - 1, cpu=kind == "cpu")))
+            models[name] = model
+    return times, models
+
+
+def paired(times, name, base, kind):
+    return median([t / b for t, b in zip(times[name][kind], times[base][kind])])
+
+
+def ratio_row(name, times, base, note=""):
+    cpu, wall = times[name]["cpu"], times[name]["wall"]
+    return [name, median(cpu) * 1e3, min(cpu) * 1e3, paired(times, name, base, "cpu"),
+            median(wall) * 1e3, paired(times, name, base, "wall"), note]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per repeat")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, per repeat")
+    args = parser.parse_args(argv)
+    setup()
+    os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofit-bench-")  # never the user's
+    print_environment("autofit overhead benchmark")
+    batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
+    n_params = sum(p.numel() for p in build().parameters())
+    print(f"model: BertForSequenceClassification, hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, vocab "
+          f"{VOCAB}, {n_params / 1e6:.2f} M parameters, random init, dropout 0")
+    print(f"global batch {BATCH}, plan: micro {BATCH} x 1, fp32, AdamW(lr=1e-3); {args.warmup + 1} "
+          f"warm-up + {args.steps} measured steps per repeat, {args.repeats} repeats\n")
+    headers = ["loop", "CPU ms/step", "best CPU ms", "ratio (CPU)", "wall ms/step", "ratio (wall)",
+               "note"]
+    started = time.perf_counter()
+
+    # -- table 1: autofit.run vs the plain loop, plain CPU device -----------------------------------
+    t1 = {"plain loop": run_plain,
+          "plain loop again (A/A: noise)": run_plain,
+          "autofit.run(progress=False)": run_autofit,
+          "autofit.run(progress=True)": lambda b: run_autofit(b, progress=True)}
+    times, models = measure(t1, batches, args.warmup + 1, args.repeats)
+    diff = max_abs_diff(models["plain loop"], models["autofit.run(progress=False)"])
+    rows = [ratio_row(n, times, "plain loop", "baseline" if n == "plain loop" else "goal <= 1.03")
+            for n in t1]
+    rows[1][-1] = "the same code twice: how far 1.0 moves here"
+    rows[3][-1] = "tqdm bar, to a discarded stderr"
+    print("Table 1. autofit.run vs a hand-written loop, same plan, plain CPU (no budget); "
+          "ratio = autofit / plain")
+    print(table(headers, rows))
+    print(f"parameters after {len(batches)} steps, autofit vs plain loop: max abs diff {diff:.3g}\n")
+
+    # -- table 2: the simulated GPU's own cost --------------------------------------------------------
+    with autofit.simulate_gpu() as gpu:  # the peak of one plain step, to size an ample budget
+        model = build()
+        gpu.track(list(model.parameters()) + list(model.buffers()))
+        opt = adamw(model.parameters())
+        for b in batches[:2]:
+            plain_step(model, opt, b)
+        peak = gpu.max_memory_allocated()
+        del model, opt
+    ample = 4 * peak
+    t2 = {"plain loop, plain CPU": run_plain,
+          "plain loop, simulate_gpu()": lambda b: run_plain(b, gpu_budget=None),
+          "autofit.run, simulate_gpu()": lambda b: run_autofit(b, gpu_budget=None),
+          f"autofit.run, simulate_gpu({ample / 2**20:.0f}MiB)": lambda b: run_autofit(b, gpu_budget=ample)}
+    times, _ = measure(t2, batches, args.warmup + 1, args.repeats)
+    names = list(t2)
+    rows = [ratio_row(n, times, names[0]) for n in names]
+    rows[0][-1] = "baseline"
+    rows[1][-1] = "the simulated GPU's cost"
+    rows[2][-1] = "counting, no budget"
+    rows[3][-1] = f"budget 4x the step peak ({peak / 2**20:.1f} MiB)"
+    print("Table 2. the simulated GPU's cost; ratio = row / plain loop on the plain CPU")
+    print(table(headers, rows))
+    print(f"autofit.run with a budget vs the plain loop, both on the simulated GPU: ratio "
+          f"{paired(times, names[3], names[1], 'cpu'):.3f} CPU, "
+          f"{paired(times, names[3], names[1], 'wall'):.3f} wall (medians of per-repeat ratios)")
+    print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
