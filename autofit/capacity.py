@@ -59,6 +59,8 @@ PRECISION_POLICIES = ("auto",) + PRECISIONS
 
 @dataclass(frozen=True)
 class Candidate:
+    """A plan with its estimate; `fits` against the budget `rank` was given (margin, calibration)."""
+
     plan: Plan
     estimate: MemoryEstimate
     fits: bool
@@ -135,6 +137,7 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
     plan fits, the most frugal plan is estimated all the same, so `needs_message` can say why.
     """
     budget = parse_size(budget)
+    _precisions(precision, bf16_supported)  # a bad precision fails before any work
     if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
         raise ValueError(f"margin must be in (0, 1] but got {margin!r}; 0.9 keeps 10% of the budget free.")
     if not (isinstance(calibration, (int, float)) and calibration > 0):
@@ -180,7 +183,7 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
             if not any(measure(p).fits for p in tight):
                 return _sorted(measured, plans)
         # Visit configurations by their best possible cost (their largest micro-batch).
-        for key, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch)):
+        for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch)):
             group = sorted(group, key=lambda p: -p.micro_batch_size)
             group = [p for p in group if plan_cost(p, global_batch) < best]
             if group:

@@ -5,23 +5,35 @@ the user's optimizer class and loss — on a copy of the model made of fake tens
 (`FakeTensorMode`): every op computes shapes, dtypes and strides, and no byte of data is allocated.
 A counter (the simulated GPU's: live storages, 512-byte rounding, freed when their Python object
 dies) sees every op and keeps the total by kind, so the breakdown at the moment of the peak costs
-nothing extra.
+nothing extra. On CPU this reproduces the simulated GPU's measured peak of the same real step to the
+byte (tests/test_estimate.py).
 
 What is measured is a *second* step: before it, the optimizer takes one step on zero gradients, so
 its state (AdamW: two moments per parameter) exists, as it does from the second step of a real run.
+With accumulation, every micro-batch after the first holds what the first held plus all the
+gradients and the running loss total, and they are alike; so one micro-batch is run on existing
+gradients (and a carried total), which gives the peak of all of them at the cost of one.
+`Estimator` makes the fake copies once and measures many plans (`autofit.capacity.rank`).
 
 `device_type="cuda"` predicts a CUDA card rather than this CPU: `scaled_dot_product_attention` is
 routed to the kernels CUDA runs (flash attention for fp16/bf16 without a mask, else memory-efficient
-attention: O(T) memory, where CPU's math path keeps the O(T^2) attention matrix), the optimizer uses
-the multi-tensor (`foreach`) implementation CUDA picks by default, and AdamW's `step` counters, which
-CUDA keeps on the host, are not counted. `device_type="cpu"` keeps CPU's choices, so an estimate can be
-checked against the simulated GPU running the same step on real CPU tensors.
+attention: O(T) memory, where CPU's math path — taken with attention dropout, as in training —
+keeps the T x T attention matrix), and the optimizer uses the multi-tensor (`foreach`)
+implementation CUDA picks by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
+checked against the simulated GPU running the same step on real CPU tensors. In both, AdamW's scalar
+`step` counters are host memory (CUDA keeps them on the CPU unless capturable or fused).
 
 All fake tensors are on device `cpu` (fake `cuda` tensors abort the process in autograd on a CPU-only
 build); the user's model, optimizer and batch are read, never changed, and their data is never
 copied: parameters of a model on `meta`, `cpu` or `cuda` all work.
 
-fp16 plans are measured as bf16 (same sizes; GradScaler's bookkeeping needs real values).
+Known differences from a card, all small or covered by `rank`'s margin and calibration:
+- the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
+- autocast follows CPU's op lists (close to CUDA's for both dtypes);
+- an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
+  the values, which fake tensors do not have (slightly high for unpadded batches);
+- fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
+  found-inf check needs real values.
 """
 
 from __future__ import annotations
@@ -414,11 +426,13 @@ class Estimator:
         self.resident = self._resident()
 
     def _quiet(self):
-        """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on."""
+        """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on;
+        tensors made without a device are CPU tensors, whatever default device the caller set."""
         stack = contextlib.ExitStack()
         stack.enter_context(_disable_current_modes())
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.device("cpu"))
         return stack
 
     def _state(self) -> list[torch.Tensor]:
@@ -471,7 +485,7 @@ class Estimator:
                             if p.requires_grad:
                                 p.grad = torch.zeros_like(p)
                     with meter.as_kind("other"):
-                        meter.carried = torch.zeros(())  # the loss total so far, a scalar
+                        meter.carried = torch.zeros((), device="cpu")  # the loss total so far
                 runner = StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
                 meter.start()
                 try:

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -221,8 +222,15 @@ class StepClock:
         self.times: list[float] = []
         self.cpu: list[float] = []
         self.armed = True
+        self._latest = None  # a weak reference: the clock must not keep a dropped optimizer alive
+
+    @property
+    def optimizer(self):
+        """The optimizer attached last, while it is alive (else None)."""
+        return None if self._latest is None else self._latest()
 
     def attach(self, optimizer):
+        self._latest = weakref.ref(optimizer)
         def hook(_opt, _args, _kwargs):
             if self.armed:
                 self.times.append(time.perf_counter())

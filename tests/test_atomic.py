@@ -9,21 +9,22 @@ import autofit
 from autofit.atomic import AtomicStep, PartialUpdateError
 from autofit.device import SimulatedDevice
 from autofit.offload import Offloaded
-from models import bert_batch, tiny_bert
 
 
-def _setup(gpu, steps_before: int):
-    """A tiny BERT with gradients ready and `steps_before` AdamW steps already taken (foreach, as
-    CUDA would run it: it mutates exp_avg and step before its sqrt allocates)."""
-    model = tiny_bert()
+def _setup(gpu, steps_before: int, model=None):
+    """A model with gradients ready and `steps_before` AdamW steps already taken (foreach, as CUDA
+    would run it: it mutates exp_avg and step before its sqrt allocates). The default is a small
+    MLP: the optimizer's mechanics are the same for any model, and every allocation is tried."""
+    torch.manual_seed(0)
+    model = model or torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
     device = SimulatedDevice(gpu)
     device.place_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
-    batch = bert_batch()
-    for _ in range(steps_before + 1):
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    for i in range(steps_before + 1):
         optimizer.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        if _ < steps_before:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if i < steps_before:
             optimizer.step()
     return model, optimizer, device
 

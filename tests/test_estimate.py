@@ -210,7 +210,8 @@ def test_cuda_attention_with_checkpointing_recomputes_the_same_kernels():
     assert recomputed.peak_bytes < plain.peak_bytes
 
 
-def test_no_cuda_tensor_is_ever_made(monkeypatch):
+def spy_on_fake_devices(monkeypatch) -> set:
+    """The device types of every fake tensor made from now on (the test's end undoes the spy)."""
     devices = set()
     original = FakeTensor.__new__
 
@@ -220,6 +221,11 @@ def test_no_cuda_tensor_is_ever_made(monkeypatch):
         return tensor
 
     monkeypatch.setattr(FakeTensor, "__new__", spy)
+    return devices
+
+
+def test_no_cuda_tensor_is_ever_made(monkeypatch):
+    devices = spy_on_fake_devices(monkeypatch)
     for model, batch in ((bert("sdpa"), bert_batch(4, 64)), (gpt2("sdpa"), gpt2_batch(4, 64))):
         for precision in ("fp32", "bf16", "fp16"):
             estimate(model, batch, Plan(2, 2, precision=precision, checkpointing=True))

@@ -164,7 +164,7 @@ def test_an_oom_at_every_allocation_is_survived_with_the_same_result():
     _allocation_marks(copy.deepcopy(pristine), batches)  # first-use caches (masks, constants)
     (first_step, first_done, second_step, second_done), end = _allocation_marks(
         copy.deepcopy(pristine), batches)
-    assert first_step > 100 and second_done - second_step > 20
+    assert first_step > 50 and second_done - second_step > 20
     # Every allocation of both AdamW steps; forward/backward with a stride (AUTOFIT_FAULT_STRIDE=1
     # for all of them: that full sweep is slow on 2 cores and was run before this test was written).
     stride = int(os.environ.get("AUTOFIT_FAULT_STRIDE", "5"))
