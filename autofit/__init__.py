@@ -2,6 +2,7 @@
 
 from .controller import Attempt
 from .errors import DoesNotFit, MemoryNotReleased
+from .estimate import MemoryEstimate, estimate
 from .evaluate import EvalResult, EvalSizer, evaluate
 from .explain import explain
 from .plan import Plan
@@ -16,9 +17,11 @@ __all__ = [
     "DoesNotFit",
     "EvalResult",
     "EvalSizer",
+    "MemoryEstimate",
     "MemoryNotReleased",
     "Plan",
     "RunResult",
+    "estimate",
     "evaluate",
     "explain",
     "parse_size",

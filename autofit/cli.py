@@ -378,11 +378,13 @@ def cmd_demo(args) -> int:
          f"weights), global batch {DEMO_BATCH} x {DEMO_SEQ} tokens, {steps} step(s)")
     _out(f"simulated GPU: {format_size(budget)} (CPU tensors counted as a CUDA allocator would; going "
          f"over raises torch.OutOfMemoryError)")
+    _out("capacity check off: every plan below is found by running out of memory and stepping down")
     _out()
     with _one_thread():
         try:
             with simulate_gpu(budget), models.quiet_transformers():
-                result = run(model, [batch] * steps, progress=False, cache=False)
+                # The capacity check would start at a fitting plan; the demo shows the retry ladder.
+                result = run(model, [batch] * steps, progress=False, cache=False, capacity_check=False)
         except DoesNotFit as e:
             _attempts_table(e.attempts)
             _out()

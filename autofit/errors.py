@@ -10,13 +10,17 @@ class DoesNotFit(RuntimeError):
     """No plan of the ladder fits the budget. Carries every attempt and the last breakdown."""
 
     def __init__(self, message: str, attempts=(), breakdown: dict | None = None,
-                 budget: int | None = None):
+                 budget: int | None = None, plan=None):
         self.attempts = list(attempts)
         self.breakdown = dict(breakdown or {})
         self.budget = budget
+        self.plan = plan if plan is not None else getattr(self.attempts[-1] if self.attempts else None,
+                                                          "plan", None)
         lines = [message]
         if self.breakdown:
-            lines.append("memory at the last failure: " + format_breakdown(self.breakdown, budget))
+            label = "memory at the last failure" if self.attempts else \
+                f"estimated peak of the leanest plan ({plan.describe()})" if plan else "estimated peak"
+            lines.append(f"{label}: " + format_breakdown(self.breakdown, budget))
         if self.attempts:
             lines.append("plans tried:")
             for a in self.attempts:

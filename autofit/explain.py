@@ -246,6 +246,12 @@ def explain(result_or_error) -> str:
             lines.append(f"evaluation: {len(evaluation)} attempts, {eval_ooms} ran out of memory.")
     else:
         lines.append(f"autofit evaluation: {len(evaluation)} attempts, {eval_ooms} ran out of memory.")
+    breakdown = getattr(result_or_error, "breakdown", None)
+    if raised and not attempts and breakdown and getattr(result_or_error, "plan", None) is not None:
+        # Refused by the capacity check before training: explain the estimated memory instead.
+        lines.append("The estimate before training, by kind: " + format_breakdown(breakdown, budget))
+        lines.extend(f"  - {fix.text}" for fix in fixes_for(breakdown, result_or_error.plan, budget))
+        return "\n".join(lines)
     if not any(a.outcome == "oom" for a in training + evaluation):
         lines.append("No attempt ran out of memory; nothing to fix.")
         return "\n".join(lines)

@@ -16,6 +16,7 @@ from .device import open_device
 from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
 from .ladder import SizeLog, as_move, default_ladder
 from .memo import Memo
+from .start import SETTLE_WITHIN, estimated_start, longest_batch
 from .plan import PRECISIONS, Plan
 from .step import StepRunner
 
@@ -93,9 +94,14 @@ def build_optimizer(optimizer, model):
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True,
-        metric_fn=None):
+        metric_fn=None, capacity_check=True):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
-    memory and replaying it, so the result is the same mathematics as a plain loop."""
+    memory and replaying it, so the result is the same mathematics as a plain loop.
+
+    With a budget (or on CUDA) and the default ladder, `capacity_check` estimates plans on fake
+    tensors first and starts from the fastest one predicted to fit; `capacity_check=False` starts
+    from the whole global batch and lets the ladder find the plan.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     _check_positive_int("epochs", epochs)
@@ -123,12 +129,20 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         memo = Memo(model=model, batch=first, optimizer=opt, global_batch=first_rows,
                     precision=precision, device=device, enabled=cache)
         recalled = memo.recall(sizes)
+        settle_within = 0.0
         if recalled is not None:
             start, reason = recalled[0], f"cached: worked for this job on {device.describe()}"
+        elif capacity_check and user_ladder is None:
+            estimated = estimated_start(model, longest_batch(data, first), opt, loss_fn, device, precision,
+                                        sizes)
+            if estimated is not None:
+                (start, reason), settle_within = estimated, SETTLE_WITHIN
+                start = start.with_micro_batch(start.micro_batch_size, first_rows)
         moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
         runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
                             count_tokens=token_counter(model) if loss_fn is None else None)
-        controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress)
+        controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
+                                settle_within=settle_within)
         result = RunResult(plan=start, device=device.describe(), budget=device.budget)
         evaluation = None
         if eval_data is not None:

@@ -55,6 +55,7 @@ def environment() -> list[tuple[str, object]]:
         pass
     pairs = [
         ("date", datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")),
+        ("autofit", autofit_version()),
         ("machine", f"{platform.system()} {platform.release()}, {cpu}"),
         ("python", platform.python_version()),
         ("torch", torch.__version__),
@@ -68,6 +69,25 @@ def environment() -> list[tuple[str, object]]:
     pairs.append(("torch threads", f"{torch.get_num_threads()} (torch.set_num_threads({THREADS}))"))
     pairs.append(("cuda", "available" if torch.cuda.is_available() else "not available (CPU run)"))
     return pairs
+
+
+def autofit_version() -> str:
+    """The package version and, in a git checkout, the commit and whether autofit/ has uncommitted
+    changes (read-only git queries; the tables belong to the code that produced them)."""
+    import subprocess
+
+    import autofit
+    text = autofit.__version__
+    try:
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "autofit")
+        text += f", checkout {commit}" + (" + uncommitted changes in autofit/" if dirty else "")
+    except Exception:
+        pass
+    return text
 
 
 def print_environment(title: str) -> None:

@@ -101,7 +101,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, per repeat")
     args = parser.parse_args(argv)
     setup()
-    os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofit-bench-")  # never the user's
+    with tempfile.TemporaryDirectory(prefix="autofit-bench-") as cache:
+        os.environ["AUTOFIT_CACHE_DIR"] = cache  # never the user's plan cache
+        return measure_and_print(args)
+
+
+def measure_and_print(args) -> int:
     print_environment("autofit overhead benchmark")
     batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
     n_params = sum(p.numel() for p in build().parameters())

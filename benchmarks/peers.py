@@ -12,6 +12,8 @@ Methods (each builds its model at its own start; the clock starts before that bu
   (precision="auto": micro-batch down to 8, then bf16, then checkpointing, then smaller, offload).
 - autofit cached: the same call again with the same cache directory.
 - autofit cold, fp32: `precision="fp32"` (the ladder never changes the numerics).
+- autofit cold, capacity_check=False (when autofit.run has that option): no fake-tensor estimate
+  before the first step; the run starts from the whole global batch and the ladder finds the plan.
 - Accelerate find_executable_batch_size: the real `accelerate.utils.find_executable_batch_size`,
   used as its docs show: the inner function builds the model and optimizer and trains an epoch over
   the data with the batch size it is given; on OOM the decorator shrinks the batch (accelerate 1.15:
@@ -32,6 +34,7 @@ All optimizers are AdamW(lr=1e-3, foreach=True) (what CUDA would run). torch.set
 from __future__ import annotations
 
 import argparse
+import inspect
 import gc
 import os
 import tempfile
@@ -111,7 +114,7 @@ class RetryProbe:
 
     def __init__(self, gpu, clock, inject_at: int | None = None):
         self.gpu, self.clock = gpu, clock
-        self.inject_at = inject_at  # allocations after the first forward starts; None: no fault
+        self.inject_at = inject_at  # allocations after backward reaches the loss; None: no fault
         self.ooms = self.backward_ooms = 0
         self.pending = False
         self.held_at_retry: list[tuple[int, int]] = []  # (bytes held, of which .grad)
@@ -127,10 +130,17 @@ class RetryProbe:
             gpu._oom = oom
 
     def watch(self, model) -> None:
+        def after_forward(module, args, kwargs, output):
+            loss = getattr(output, "loss", None)
+            if self.inject_at is None or loss is None or not loss.requires_grad:
+                return
+            k, self.inject_at = self.inject_at, None  # the first backward of the run gets the fault
+
+            def arm(_grad):
+                self.gpu.fail_at(self.gpu.allocation_count + k)
+            loss.register_hook(arm)
+
         def before_forward(module, args, kwargs):
-            if self.inject_at is not None:  # the first forward of the run: arm the one fault
-                self.gpu.fail_at(self.gpu.allocation_count + self.inject_at)
-                self.inject_at = None
             if not self.pending:
                 return
             self.pending = False
@@ -141,6 +151,7 @@ class RetryProbe:
             grads = counted_bytes(self.gpu, [p.grad for p in module.parameters()])
             self.held_at_retry.append((self.gpu.memory_allocated() - legit, grads))
         model.register_forward_pre_hook(before_forward, with_kwargs=True)
+        model.register_forward_hook(after_forward, with_kwargs=True)
 
 
 def run_method(method, job, budget, inject_at=None, **kwargs) -> Run:
@@ -191,10 +202,11 @@ def run_method(method, job, budget, inject_at=None, **kwargs) -> Run:
 
 # -- the methods -----------------------------------------------------------------------------------
 
-def autofit_run(job, make_model, clock, run, precision="auto"):
+def autofit_run(job, make_model, clock, run, precision="auto", **options):
     model = make_model()
     result = autofit.run(model, job.batches, precision=precision, progress=False,
-                         optimizer=lambda params: clock.attach(adamw(params, foreach=True)))
+                         optimizer=lambda params: clock.attach(adamw(params, foreach=True)),
+                         **options)
     run.ooms = result.oom_attempts
     run.micro = result.plan.micro_batch_size
     run.effective = job.global_batch
@@ -398,49 +410,54 @@ def budgets_for(job) -> tuple[list[int], dict]:
 
 
 def retaining_fault_index(job, rows_=2, run_length=4) -> tuple[int, int]:
-    """An allocation index, counted from the start of the model's forward, at which an OOM raised
-    inside backward leaves memory held after the exception is gone (torch 2.13: autograd's engine
-    keeps the failed graph's queued nodes until the next backward on the device). The index of an
-    op does not depend on the batch size, so a 2-row batch finds it cheaply. Returns (index, bytes
-    held at that point for the 2-row batch); picks the second index of the first run of
-    `run_length` such points, so a method that allocates one tensor more before backward (a loss
-    weight) still lands inside the run."""
+    """An allocation index, counted from the moment backward reaches the loss (a hook on the loss
+    tensor), at which an OOM leaves memory held after the exception is gone (torch 2.13: autograd's
+    engine keeps the failed graph's queued nodes until the next backward on the device). Counting
+    from the loss makes the point the same for every method, whatever it does before backward (a
+    loss weight adds a node). The index of an op does not depend on the batch size, so a 2-row
+    batch finds it cheaply. Returns (index, bytes held there for the 2-row batch): the middle of the
+    first run of `run_length` or more such indices."""
     batch = take(job.data, 0, rows_)
     model = job.build()
     model.train()
-    with autofit.simulate_gpu() as gpu:
-        gpu.track(list(model.parameters()) + list(model.buffers()))
-        start = gpu.allocation_count
-        model(**batch).loss.backward()
-        total = gpu.allocation_count - start
-    model.zero_grad(set_to_none=True)
-    streak, held_at = 0, 0
-    for k in range(1, total):
+
+    def attempt(k):
         with autofit.simulate_gpu() as gpu:
             gpu.track(list(model.parameters()) + list(model.buffers()))
             base = gpu.memory_allocated()
-            gpu.fail_at(gpu.allocation_count + k)
-            in_backward = False
+            start = []
+            loss = model(**batch).loss
+
+            def arm(_grad):
+                start.append(gpu.allocation_count)
+                if k is not None:
+                    gpu.fail_at(gpu.allocation_count + k)
+            loss.register_hook(arm)
             try:
-                loss = model(**batch).loss
-                in_backward = True
                 loss.backward()
             except torch.OutOfMemoryError:
                 pass
             loss = None
             model.zero_grad(set_to_none=True)
             gc.collect()
-            held = gpu.memory_allocated() - base
+            held, used = gpu.memory_allocated() - base, gpu.allocation_count - start[0]
             gpu.fail_at(None)
-        if in_backward and held > 0:
-            streak += 1
-            held_at = held_at or held
-            if streak == run_length:
-                return k - run_length + 2, held_at
-        else:
-            streak, held_at = 0, 0
-    raise RuntimeError(f"{job}: no OOM point in backward leaves memory held on this torch; the "
-                       f"injected-fault table has nothing to show.")
+        return held, used
+
+    _, total = attempt(None)
+    found = []
+    for k in range(total):
+        held, _ = attempt(k)
+        if held > 0:
+            found.append((k, held))
+            continue
+        if len(found) >= run_length:
+            break
+        found = []
+    if len(found) < run_length:
+        raise RuntimeError(f"{job}: no OOM point in backward leaves memory held on this torch; the "
+                           f"injected-fault tables have nothing to show.")
+    return found[len(found) // 2]
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -449,6 +466,10 @@ METHODS = [
     ("autofit cold", autofit_run, {}),
     ("autofit cached", autofit_run, {}),
     ("autofit cold, precision=fp32", autofit_run, {"precision": "fp32"}),
+]
+if "capacity_check" in inspect.signature(autofit.run).parameters:  # the estimator's start, off
+    METHODS.append(("autofit cold, capacity_check=False", autofit_run, {"capacity_check": False}))
+METHODS += [
     ("Accelerate find_executable_batch_size", accelerate_feb, {}),
     ("Lightning BatchSizeFinder (algorithm re-implemented)", lightning_bsf, {}),
     ("Composer-style auto microbatching (re-implemented)", composer_auto, {}),
@@ -456,14 +477,14 @@ METHODS = [
 ]
 
 
-def run_all(job, budget, ref, largest, inject_at=None):
+def run_all(job, budget, ref, largest, cache_root, inject_at=None):
     """Every method once on this job and budget; (result rows, memory rows)."""
     g = job.global_batch
     results, memory = [], []
-    cache_dir = tempfile.mkdtemp(prefix="autofit-peers-")
+    cache_dir = tempfile.mkdtemp(dir=cache_root)
     for name, method, kwargs in METHODS:
         if name.startswith("autofit cold"):
-            cache_dir = tempfile.mkdtemp(prefix="autofit-peers-")  # fresh: nothing learned yet
+            cache_dir = tempfile.mkdtemp(dir=cache_root)  # fresh: nothing learned yet
         os.environ["AUTOFIT_CACHE_DIR"] = cache_dir
         run = run_method(method, job, budget, inject_at=inject_at, **kwargs)
         failed = bool(run.error)
@@ -498,7 +519,7 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--no-injected", action="store_true", help="skip tables 4 and 5")
+    parser.add_argument("--no-injected", action="store_true", help="skip table 4 (the injected OOM)")
     args = parser.parse_args(argv)
     setup()
     started = time.perf_counter()
@@ -516,6 +537,15 @@ def main(argv=None) -> int:
           f"seq {seq}, vocab 1000, random init, dropout 0; global batch {g}, {args.steps} global "
           f"batches per method; AdamW(lr=1e-3, foreach=True); torch.set_num_threads(1)\n")
 
+    with tempfile.TemporaryDirectory(prefix="autofit-peers-") as cache_root:
+        tables = measure_all(jobs, args, cache_root)
+    print_tables(*tables, args)
+    print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def measure_all(jobs, args, cache_root):
+    g = jobs[0].global_batch
     fit_rows, result_rows, memory_rows, inj_results, inj_memory, inj_rows = [], [], [], [], [], []
     for job in jobs:
         ref = reference(job.build, job.batches, foreach=True)  # full batch, unlimited device
@@ -523,16 +553,20 @@ def main(argv=None) -> int:
         for budget in budgets:
             largest = largest_fitting_micro(job, budget)
             fit_rows.append([job.name, mib(budget), mib(peaks["full"]), largest, f"{largest / g:.0%}"])
-            results, memory = run_all(job, budget, ref, largest)
+            results, memory = run_all(job, budget, ref, largest, cache_root)
             result_rows += results
             memory_rows += memory
         if not args.no_injected:
             index, held = retaining_fault_index(job)
             inj_rows.append([job.name, index, held])
-            results, memory = run_all(job, None, ref, g, inject_at=index)
+            results, memory = run_all(job, None, ref, g, cache_root, inject_at=index)
             inj_results += results
             inj_memory += memory
+    return fit_rows, result_rows, memory_rows, inj_rows, inj_results, inj_memory
 
+
+def print_tables(fit_rows, result_rows, memory_rows, inj_rows, inj_results, inj_memory, args):
+    g = args.global_batch
     print("Table 1. budgets and the largest fp32 micro-batch that fits (direct search: two plain "
           "steps, the second with AdamW state, under simulate_gpu)")
     print(table(["model", "budget", "full-batch peak", "largest micro", "of the global batch"],
@@ -549,16 +583,14 @@ def main(argv=None) -> int:
     print(table(MEMORY_HEADERS, memory_rows))
     if inj_rows:
         print()
-        print("Table 4. one OOM injected in the first backward, no budget: the fault is armed at the "
-              "first forward, N allocations on, a point where an OOM leaves memory held after the "
+        print("Table 4. one OOM injected in the first backward, no budget: N allocations after "
+              "backward reaches the loss, a point where an OOM leaves memory held after the "
               "exception is gone (found by a scan with a 2-row batch)")
         print(table(["model", "N", "held there, 2-row batch (B)"], inj_rows))
         print()
         print(table(RESULT_HEADERS, inj_results))
         print()
         print(table(MEMORY_HEADERS, inj_memory))
-    print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
-    return 0
 
 
 if __name__ == "__main__":

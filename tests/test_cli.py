@@ -414,8 +414,9 @@ def test_demo_steps_down_and_finishes(capsys):
     assert lines[0] == ("model: tiny-bert (BertForSequenceClassification, 0.17M parameters, random weights), "
                         "global batch 64 x 64 tokens, 4 step(s)")
     assert lines[1].startswith("simulated GPU: 8.00 MiB ")
-    assert lines[3].split() == ["step", "plan", "outcome", "peak", "reason"]
-    rows = [line.split("  ") for line in lines[5:lines.index("", 5)]]
+    assert lines[2].startswith("capacity check off: every plan below is found by running out of memory")
+    assert lines[4].split() == ["step", "plan", "outcome", "peak", "reason"]
+    rows = [line.split("  ") for line in lines[6:lines.index("", 6)]]
     rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
     assert rows[0][:3] == ["0", "micro 64 x 1, fp32", "oom"]
     assert rows[0][4] == "start: the whole global batch at once"

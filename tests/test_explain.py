@@ -190,7 +190,7 @@ def test_explain_a_real_does_not_fit_from_run():
              "attention_mask": torch.ones(4, 16, dtype=torch.long),
              "labels": torch.randint(0, 2, (4,), generator=g)}]
     with pytest.raises(autofit.DoesNotFit) as info:
-        autofit.run(model, data, budget="150KiB", progress=False)
+        autofit.run(model, data, budget="150KiB", progress=False, capacity_check=False)
     error = info.value
     text = explain(error)
     lines = text.splitlines()
@@ -206,3 +206,19 @@ def test_explain_a_real_does_not_fit_from_run():
             "need about 362.00 KiB before any activation, 241% of the 150.00 KiB budget") in text
     assert text.count("a lighter model variant (as above)") == n - 1
     assert lines[-1].startswith("  autofit then: the ladder had no step left, so it raised DoesNotFit")
+
+
+def test_explain_a_refusal_of_the_capacity_check():
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=100,
+        max_position_embeddings=64, hidden_dropout_prob=0, attention_probs_dropout_prob=0))
+    data = [{"input_ids": torch.randint(0, 100, (4, 16)), "labels": torch.randint(0, 2, (4,))}]
+    with pytest.raises(autofit.DoesNotFit) as info:
+        autofit.run(model, data, budget="150KiB", progress=False)
+    error = info.value
+    assert error.attempts == [] and error.plan.offload_optimizer and error.plan.micro_batch_size == 1
+    lines = explain(error).splitlines()
+    assert lines[1] == "0 attempts, 0 ran out of memory."
+    assert lines[2].startswith("The estimate before training, by kind: ")
+    assert lines[3].startswith("  - a lighter model variant: the parameters (90.50 KiB) with their gradients")

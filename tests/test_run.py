@@ -41,7 +41,8 @@ def test_micro_batch_stepdowns_keep_the_mathematics():
     p4 = second_step_peak(bert, batches[0], Plan.for_batch(16, 4))
     budget = (p4 + p16) // 2
     model = bert()
-    result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False)
+    result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False,
+                         capacity_check=False)
     assert result.oom_attempts >= 1
     assert all(h["plan"].precision == "fp32" for h in result.history)
     assert [h["samples"] for h in result.history] == [16, 16, 16, 16]
@@ -85,7 +86,8 @@ def test_exact_sequence_of_plans_for_a_budget():
     p8 = second_step_peak(bert, batches[0], Plan.for_batch(16, 8))
     p9 = second_step_peak(bert, batches[0], Plan.for_batch(16, 9))
     assert p9 > p8 + 1024
-    result = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False)
+    result = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False,
+                         capacity_check=False)
     assert sequence(result) == [
         (0, 16, "oom"), (0, 8, "ok"),      # whole batch fails; halving lands on 8
         (1, 12, "oom"), (1, 8, "ok"),      # search upward between 8 (fits) and 16 (fails)
@@ -175,7 +177,8 @@ def test_an_oom_at_every_allocation_is_survived_with_the_same_result():
         model = copy.deepcopy(pristine)
         with autofit.simulate_gpu() as gpu:
             gpu.fail_at(gpu.allocation_count + index)
-            result = autofit.run(model, batches, precision="fp32", progress=False, ladder=halve)
+            result = autofit.run(model, batches, precision="fp32", progress=False, ladder=halve,
+                                 cache=False)
             held = gpu.memory_allocated()
         assert result.oom_attempts == 1, index
         sizes = tuple(micro_sizes(result))
@@ -294,12 +297,38 @@ def test_dataset_is_batched_by_the_global_batch():
 def test_second_run_of_the_same_job_starts_from_the_cached_plan():
     batches = cls_batches(3, rows=16, seq=64)
     p8 = second_step_peak(bert, batches[0], Plan.for_batch(16, 8))
-    first = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False)
+    job = dict(budget=p8 + 1024, precision="fp32", progress=False, capacity_check=False)
+    first = autofit.run(bert(), batches, **job)
     assert first.oom_attempts >= 2
-    second = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False)
+    second = autofit.run(bert(), batches, **job)
     assert sequence(second) == [(0, 8, "ok"), (1, 8, "ok"), (2, 8, "ok")]
     assert second.attempts[0].reason.startswith("cached: worked for this job")
-    other_budget = autofit.run(bert(), batches, budget=p8 * 4, precision="fp32", progress=False)
+    other_budget = autofit.run(bert(), batches, **{**job, "budget": p8 * 4})
     assert other_budget.attempts[0].reason.startswith("start")  # the budget is part of the key
-    fresh = autofit.run(bert(), batches, budget=p8 + 1024, precision="fp32", progress=False, cache=False)
+    fresh = autofit.run(bert(), batches, **job, cache=False)
     assert fresh.oom_attempts == first.oom_attempts
+
+
+def test_capacity_check_starts_near_the_largest_plan_that_fits():
+    batches = cls_batches(4, rows=32, seq=64)
+    peaks = {m: second_step_peak(bert, batches[0], Plan.for_batch(32, m)) for m in (11, 12, 16)}
+    budget = (peaks[11] + peaks[16]) // 2        # 11 fits, 16 does not
+    model = bert()
+    result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False)
+    assert result.oom_attempts <= 2
+    assert result.attempts[0].reason.startswith("estimated: fastest plan predicted to fit")
+    largest = 12 if peaks[12] <= budget else 11
+    assert result.plan.micro_batch_size >= 0.9 * largest
+    assert max_diff(model, plain_loop(bert(), batches, micro_sizes(result))) <= 1e-6
+
+
+def test_capacity_check_refuses_before_training_when_nothing_can_fit():
+    batches = cls_batches(2, rows=8)
+    model = bert()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(autofit.DoesNotFit) as info:
+        autofit.run(model, batches, budget=params, progress=False)
+    assert "checked before training" in str(info.value)
+    assert info.value.attempts == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
