@@ -112,3 +112,23 @@ def dataset_batches(dataset, batch_size_: int):
     user's DataLoader is the place for that)."""
     from torch.utils.data import DataLoader
     return DataLoader(dataset, batch_size=batch_size_, shuffle=False)
+
+
+def peek(data, epochs: int, what: str = "data"):
+    """(first batch, data that yields every batch again, first included) for an iterable of batches.
+
+    A one-shot iterator can be read once: with several epochs it is refused; else the peeked batch
+    is chained back in front of it.
+    """
+    import itertools
+
+    one_shot = iter(data) is data
+    if one_shot and epochs > 1:
+        raise ValueError(f"{what} is a one-shot iterator ({type(data).__name__}) but epochs={epochs}; "
+                         f"pass a DataLoader or a list so each epoch can read it again.")
+    head = iter(data)
+    try:
+        first = next(head)
+    except StopIteration:
+        raise ValueError(f"{what} ({type(data).__name__}) yielded no batch; give at least one.") from None
+    return first, (itertools.chain([first], head) if one_shot else data)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batches import batch_size as rows_of
-from .batches import slice_batch, token_counter
+from .batches import peek, slice_batch, token_counter
 from .device import describe_tensors, open_device
 from .errors import DoesNotFit, MemoryNotReleased
 from .oom import is_oom, release, summarize
@@ -229,22 +229,10 @@ def check_eval_data(data, expect_like=None, epochs: int = 1):
             from torch.utils.data import default_collate
             check_structure(default_collate([data[0]]), expect_like)
         return data
-    one_shot = iter(data) is data
-    if one_shot and epochs > 1:
-        raise ValueError(f"evaluation data is a one-shot iterator ({type(data).__name__}) but epochs="
-                         f"{epochs}; pass a DataLoader or a list so every epoch can evaluate it.")
-    head = iter(data)
-    try:
-        first = next(head)
-    except StopIteration:
-        raise ValueError(f"evaluation data ({type(data).__name__}) yielded no batch; give at least "
-                         f"one.") from None
+    first, again = peek(data, epochs, "evaluation data")
     rows_of(first)
     check_structure(first, expect_like)
-    if one_shot:
-        import itertools
-        return itertools.chain([first], head)
-    return data
+    return again
 
 
 # -- the evaluator ------------------------------------------------------------------------------

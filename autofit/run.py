@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from .batches import batch_size as rows_of
-from .batches import dataset_batches, token_counter
+from .batches import dataset_batches, peek, token_counter
 from .controller import Attempt, Controller
 from .device import open_device
 from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
@@ -63,18 +62,8 @@ def global_batches(data, batch_size, epochs: int):
     if isinstance(data, (torch.Tensor, dict)) or not hasattr(data, "__iter__"):
         raise TypeError(f"data must be a map-style Dataset or an iterable of batches (a DataLoader, a "
                         f"list of batches) but got {type(data).__name__}.")
-    one_shot = iter(data) is data
-    if one_shot and epochs > 1:
-        raise ValueError(f"data is a one-shot iterator ({type(data).__name__}) but epochs={epochs}; pass "
-                         f"a DataLoader or a list so each epoch can read it again.")
-    head = iter(data)
-    try:
-        first = next(head)
-    except StopIteration:
-        raise ValueError(f"data ({type(data).__name__}) yielded no batch; give at least one.") from None
-    if one_shot:
-        return first, lambda: itertools.chain([first], head)
-    return first, lambda: iter(data)
+    first, again = peek(data, epochs)
+    return first, lambda: iter(again)
 
 
 def build_optimizer(optimizer, model):
