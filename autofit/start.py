@@ -61,9 +61,10 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
             f"training: {needs_message(candidates, budget, margin=MARGIN)}",
             breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
             plan=leanest.plan if leanest else None)
-    # Sizes predicted not to fit bound the upward search, so OOMs only correct the estimate.
+    # Sizes predicted over the whole budget bound the upward search; those predicted only inside
+    # the margin stay open to a probe, since the estimate may be high (OOMs correct it).
     for c in candidates:
-        if not c.fits and config_of(c.plan) == config_of(chosen.plan) \
+        if c.estimate.peak_bytes > budget and config_of(c.plan) == config_of(chosen.plan) \
                 and c.plan.micro_batch_size > chosen.plan.micro_batch_size:
             sizes.record(c.plan, ok=False)
     reason = (f"estimated: fastest plan predicted to fit (peak {format_size(chosen.estimate.peak_bytes)} "

@@ -27,8 +27,6 @@ import os
 import tempfile
 import time
 
-import torch
-
 from common import (StepClock, adamw, bert, cls_batches, max_abs_diff, median, plain_step,
                     print_environment, setup, table)
 
@@ -96,7 +94,7 @@ def ratio_row(name, times, base, note=""):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per repeat")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, per repeat")
     args = parser.parse_args(argv)

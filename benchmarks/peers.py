@@ -1,6 +1,6 @@
 """autofit against the ways people make training fit today, side by side, in one run.
 
-    python benchmarks/peers.py [--steps 4] [--global-batch 32] [--seq 64]
+    python benchmarks/peers.py [--steps 4] [--global-batch 32] [--seq 64] [--hidden 64] [--no-injected]
 
 Every method trains the same tiny model from the same initial weights on the same global batches,
 on the same simulated GPU (`autofit.simulate_gpu(budget)`: CPU tensors count against the budget and
@@ -8,8 +8,10 @@ raise the real `torch.OutOfMemoryError`, message "CUDA out of memory. ..."). Bud
 model from measured peaks so that the full global batch does not fit and stepping down is needed.
 
 Methods (each builds its model at its own start; the clock starts before that build):
-- autofit cold: `autofit.run` with a fresh, empty plan cache (AUTOFIT_CACHE_DIR), default ladder
-  (precision="auto": micro-batch down to 8, then bf16, then checkpointing, then smaller, offload).
+- autofit cold: `autofit.run` with a fresh, empty plan cache (AUTOFIT_CACHE_DIR) and its defaults:
+  the capacity check where autofit has one (start from the fastest plan an estimate predicts to
+  fit), the default ladder, precision="auto" (micro-batch down to 8, then bf16, then checkpointing,
+  then smaller, then optimizer offload).
 - autofit cached: the same call again with the same cache directory.
 - autofit cold, fp32: `precision="fp32"` (the ladder never changes the numerics).
 - autofit cold, capacity_check=False (when autofit.run has that option): no fake-tensor estimate
@@ -34,8 +36,8 @@ All optimizers are AdamW(lr=1e-3, foreach=True) (what CUDA would run). torch.set
 from __future__ import annotations
 
 import argparse
-import inspect
 import gc
+import inspect
 import os
 import tempfile
 import time
@@ -187,11 +189,11 @@ def run_method(method, job, budget, inject_at=None, **kwargs) -> Run:
         run.first_step = clock.times[0] - start if clock.times else None
         model = holder.get("model")
         run.model = model
-        weights = counted_bytes(gpu, list(model.parameters()) + list(model.buffers())) if model else 0
+        weights = counted_bytes(gpu, list(model.parameters()) + list(model.buffers())) if model is not None else 0
         run.held = gpu.memory_allocated() - weights
         gc.collect()
         run.held_gc = gpu.memory_allocated() - weights
-        run.held_grads = counted_bytes(gpu, [p.grad for p in model.parameters()]) if model else 0
+        run.held_grads = counted_bytes(gpu, [p.grad for p in model.parameters()]) if model is not None else 0
         run.device_ooms = probe.ooms if probe.works else None
         run.backward_ooms = probe.backward_ooms if probe.works else None
         run.held_at_retry, run.grads_at_retry = max(probe.held_at_retry, default=(None, None))
