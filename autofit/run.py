@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -12,10 +13,11 @@ from .batches import batch_size as rows_of
 from .batches import dataset_batches, peek, token_counter
 from .controller import Attempt, Controller
 from .device import open_device
+from .distributed import DistributedStepRunner, open_lockstep
 from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
 from .ladder import SizeLog, as_move, default_ladder
 from .memo import Memo
-from .start import SETTLE_WITHIN, estimated_start, longest_batch
+from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from .plan import PRECISIONS, Plan
 from .step import StepRunner
 
@@ -90,6 +92,10 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     With a budget (or on CUDA) and the default ladder, `capacity_check` estimates plans on fake
     tensors first and starts from the fastest one predicted to fit; `capacity_check=False` starts
     from the whole global batch and lets the ladder find the plan.
+
+    Under torch.distributed (e.g. torchrun) every rank calls `run` with the same data: DDP runs the
+    model, each rank trains its share of every global batch, and all ranks keep the same plan
+    (see autofit.distributed).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
@@ -100,12 +106,23 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     first, epoch_batches = global_batches(data, batch_size, epochs)
     first_rows = rows_of(first)  # raises on a batch that cannot be split
+    lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+    shard = _same
+    if lockstep is not None:
+        model = lockstep.module  # DDP runs it: the user's DDP, or one made for the run
+        if batch_size is not None:
+            lockstep.check_dataset(len(data), batch_size)
+        first_rows = rows_of(lockstep.local(first))  # a plan is per rank: its rows of a global batch
+        shard = lockstep.next_batch
+        progress = progress and lockstep.rank == 0
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
     user_ladder = None if ladder is None else as_move(ladder)
 
-    with open_device(budget) as device:
+    with open_device(budget) as device, (lockstep.scope() if lockstep else contextlib.nullcontext()):
         device.place_model(model)
+        if lockstep is not None:
+            model, ddp = lockstep.wrap(model, device)
         was_training = model.training
         model.train()
         opt, own_optimizer = build_optimizer(optimizer, model)
@@ -113,23 +130,37 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         sizes = SizeLog()
         if precision == "fp16" and device.type == "cpu":
             log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
-        start = Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision)
-        reason = "start: the whole global batch at once"
+        if lockstep is not None:
+            lockstep.agree_budgets(device, tensor_budget)
         memo = Memo(model=model, batch=first, optimizer=opt, global_batch=first_rows,
-                    precision=precision, device=device, enabled=cache)
-        recalled = memo.recall(sizes)
-        settle_within = 0.0
-        if recalled is not None:
-            start, reason = recalled[0], f"cached: worked for this job on {device.describe()}"
-        elif capacity_check and user_ladder is None:
-            estimated = estimated_start(model, longest_batch(data, first), opt, loss_fn, device, precision,
-                                        sizes)
-            if estimated is not None:
-                (start, reason), settle_within = estimated, SETTLE_WITHIN
-                start = start.with_micro_batch(start.micro_batch_size, first_rows)
+                    precision=precision, device=lockstep.cache_view(device) if lockstep else device,
+                    enabled=cache and (lockstep is None or lockstep.rank == 0))  # rank 0 owns the cache
+
+        def choose():
+            """(start plan, reason, settle_within); fills `sizes` with what is already known."""
+            recalled = memo.recall(sizes)
+            if recalled is not None:
+                return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
+            if capacity_check and user_ladder is None:
+                batch = longest_batch(data, first)
+                estimated = estimated_start(model, lockstep.local(batch) if lockstep else batch, opt,
+                                            loss_fn, lockstep.estimate_view(device) if lockstep else device,
+                                            precision, sizes)
+                if estimated is not None:
+                    start, reason = estimated
+                    return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
+            return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
+                    "start: the whole global batch at once", 0.0)
+        # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
+        start, reason, settle_within = lockstep.agree_start(choose, sizes) if lockstep else choose()
         moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
-        runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
-                            count_tokens=token_counter(model) if loss_fn is None else None)
+        count_tokens = token_counter(model) if loss_fn is None else None
+        if lockstep is None:
+            runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
+                                count_tokens=count_tokens)
+        else:
+            runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=ddp, scheduler=sched,
+                                           loss_fn=loss_fn, count_tokens=count_tokens)
         controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
                                 settle_within=settle_within)
         result = RunResult(plan=start, device=device.describe(), budget=device.budget)
@@ -144,11 +175,15 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                 result.eval_attempts.extend(done.attempts)
                 result.eval_history.append(done.record(epoch))
         try:
-            _train(controller, epoch_batches, epochs, result, progress, evaluation)
+            _train(controller, epoch_batches, epochs, result, progress, evaluation, shard)
+            if lockstep is not None:
+                lockstep.finish()  # every rank got to the end, at the same step
             memo.remember(controller.plan, sizes, controller.attempts,
                           sum(h["samples"] for h in result.history))
         finally:
             runner.close()
+            if lockstep is not None:
+                lockstep.close()
             if not was_training:
                 model.eval()
             result.attempts = controller.attempts
@@ -162,7 +197,11 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     return result
 
 
-def _train(controller, epoch_batches, epochs, result, progress, evaluation=None) -> None:
+def _same(batch):
+    return batch
+
+
+def _train(controller, epoch_batches, epochs, result, progress, evaluation=None, shard=_same) -> None:
     step = 0
     for epoch in range(epochs):
         batches = epoch_batches()
@@ -172,7 +211,7 @@ def _train(controller, epoch_batches, epochs, result, progress, evaluation=None)
             bar = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False)
             batches = bar
         for batch in batches:
-            loss = controller.train(batch, step)
+            loss = controller.train(shard(batch), step)
             plan = controller.plan
             result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": rows_of(batch),
                                    "plan": plan})

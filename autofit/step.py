@@ -58,11 +58,12 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
-                 count_tokens=None, sync=None):
+                 count_tokens=None, sync=None, forward=None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
-        # sync(i, last) -> context for micro-step i: DDP's no_sync for all but the last.
+        # sync(i, last) -> context around micro-step i's forward and backward (DDP's no_sync).
         self.sync = sync or (lambda i, last: contextlib.nullcontext())
+        self.forward = forward if forward is not None else model  # what is called (a DDP wrapper)
         self.checkpointing = Checkpointing(model)
         self.atomic = AtomicStep(optimizer, device)
         self.offloaded: Offloaded | None = None
@@ -99,45 +100,58 @@ class StepRunner:
     # -- one global batch ----------------------------------------------------------------------
     def run(self, batch, plan) -> float:
         """Train on one global batch under `plan`; returns its loss (the weighted mean)."""
+        total = self._accumulate(batch, plan)
+        self._step(plan)
+        return total.item()
+
+    def _shares(self, batch, parts) -> list[float]:
+        return weights(batch, parts, self.count_tokens)
+
+    def _accumulate(self, batch, plan) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the weighted loss (on the device)."""
         self.prepare(plan)
         if self.scaler is not None:
             self._scaler_state = self.scaler.state_dict()
         self.device.reset_peak_memory_stats()
         self.peak = 0
         parts = split(batch, plan.micro_batch_size)
-        shares = weights(batch, parts, self.count_tokens)
+        shares = self._shares(batch, parts)
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
         autocast = plan.precision != "fp32"
         for i, (part, share) in enumerate(zip(parts, shares)):
             part = self.device.to_device(part)
-            with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
-                loss = compute_loss(self.model, part, self.loss_fn)
-            scaled = loss * share
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
+            # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
+                with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
+                    loss = compute_loss(self.forward, part, self.loss_fn)
+                scaled = loss * share
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
                 scaled.backward()
             term = loss.detach().float() * share
             total = term if total is None else total + term
             del part, loss, scaled, term
         del parts
-        self._step(plan)
-        return total.item()
+        return total
 
     def attempt_peak(self) -> int:
         """The device peak of the current attempt (the step resets the counter to measure itself)."""
         return max(self.peak, self.device.max_memory_allocated())
 
-    def _step(self, plan) -> None:
+    def _step(self, plan, guard: bool | None = None, wrap=None) -> None:
+        """One optimizer step; `guard` overrides the atomic step's own choice (None: its own),
+        `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
         target = self.offloaded or self.optimizer
         if self.scaler is not None:
             def step():
                 self.scaler.step(target)
         else:
             step = target.step
+        if wrap is not None:
+            step = wrap(step)
         key = (plan.precision, plan.checkpointing, plan.offload_optimizer)
         try:
-            self.atomic(step, key=key, guard=False if self.offloaded is not None else None)
+            self.atomic(step, key=key, guard=False if self.offloaded is not None else guard)
         finally:
             self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
         if self.scaler is not None:

@@ -1,0 +1,360 @@
+"""torch.distributed: two CPU ranks (gloo) in lockstep, each under its own simulated GPU.
+
+The two processes are spawned once for the module and run every scenario one after the other in
+the same process group (a scenario that ends with an error leaves the group usable, which is part
+of what is tested: every rank met the same agreements). Each rank writes what it saw to a JSON file
+and its parameters to a .pt file; the tests read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+WORLD = 2
+GLOBAL = 32                 # rows of a global batch: 16 per rank
+SLOWEST_ERROR_EXIT = 30.0   # seconds; the process group's timeout is 60 s, so a hang would show
+PROCESS_TIMEOUT = 240       # seconds for the whole spawn, a backstop that fails instead of hanging
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+# -- what each rank runs ----------------------------------------------------------------------
+def _attempts(result_or_error):
+    return [[a.step, a.plan.micro_batch_size, a.outcome, a.where, a.error]
+            for a in result_or_error.attempts]
+
+
+def _timed(fn):
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    return {"value": value, "seconds": time.monotonic() - start}
+
+
+class _FlakyAdamW(torch.optim.AdamW):
+    """Applies its first update, then runs out of memory: a step that fails half-way."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        super().step(closure)
+        type(self).calls += 1
+        if type(self).calls == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in "
+                                         "the optimizer step)")
+
+
+class _BrokenData:
+    """Yields one global batch, then fails (an error outside any step)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        yield self.batches[0]
+        raise OSError("rank 1 lost its data file")
+
+
+def _worker(rank, init_file, out_dir, budgets):
+    os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    import autofit
+    from autofit.cache import PlanCache
+    from reference import bert, cls_batches, gpt2, lm_batches
+
+    batches = cls_batches(3, rows=GLOBAL)
+    seen = {}
+
+    def run(model, data=batches, **kw):
+        kw = {"precision": "fp32", "progress": False, "capacity_check": False, **kw}
+        return autofit.run(model, data, **kw)
+
+    # 1. Only rank 1's budget is too small for its 16 rows at once.
+    model = bert()
+    with autofit.simulate_gpu(budgets[rank]):
+        result = run(model)
+    seen["oom"] = {"attempts": _attempts(result),
+                   "micro": [h["plan"].micro_batch_size for h in result.history],
+                   "losses": [h["loss"] for h in result.history], "cache": len(PlanCache().entries())}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"oom-{rank}.pt"))
+
+    # 2. The same job again: rank 0 reads its cache and every rank starts from that plan.
+    with autofit.simulate_gpu(budgets[rank]):
+        result = run(bert())
+    seen["cached"] = {"attempts": _attempts(result), "reason": result.attempts[0].reason}
+
+    # 3. The capacity check: rank 0 estimates against the smallest budget, every rank starts there.
+    with autofit.simulate_gpu(budgets[rank]):
+        result = run(bert(), capacity_check=True, cache=False)
+    seen["estimated"] = {"attempts": _attempts(result), "reason": result.attempts[0].reason}
+
+    # 4. Token-weighted loss (a causal LM, rows with different numbers of label tokens): one OOM in
+    # rank 1's first forward makes both ranks replay with micro-batches of 2.
+    model = gpt2()
+    if rank == 1:
+        def fail_once(module, args, kwargs):
+            hook.remove()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
+        hook = model.register_forward_pre_hook(fail_once, with_kwargs=True)
+    result = run(model, data=lm_batches(2, rows=8), cache=False,
+                 ladder=lambda plan: plan.replace(micro_batch_size=2) if plan.micro_batch_size > 2 else None)
+    seen["tokens"] = {"attempts": _attempts(result),
+                      "micro": [h["plan"].micro_batch_size for h in result.history]}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"tokens-{rank}.pt"))
+
+    # 5. Rank 1's optimizer step runs out of memory after updating: both ranks roll back.
+    model = bert()
+    with autofit.simulate_gpu("8MiB"):
+        result = run(model, optimizer=_FlakyAdamW if rank == 1 else None, cache=False)
+    seen["step_oom"] = {"attempts": _attempts(result),
+                        "micro": [h["plan"].micro_batch_size for h in result.history]}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"step_oom-{rank}.pt"))
+
+    # 6. A non-OOM error inside rank 1's step.
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("rank 1 cannot compute this loss")
+        return model(**batch).loss
+    with autofit.simulate_gpu("8MiB"):
+        seen["error"] = _timed(lambda: run(bert(), loss_fn=loss_fn, cache=False))
+
+    # 7. A non-OOM error outside any step (reading rank 1's data).
+    with autofit.simulate_gpu("8MiB"):
+        seen["data_error"] = _timed(lambda: run(bert(), data=_BrokenData(batches) if rank == 1 else batches,
+                                                cache=False))
+
+    # 8. Rank 1 has one global batch fewer.
+    with autofit.simulate_gpu("8MiB"):
+        seen["short"] = _timed(lambda: run(bert(), data=batches[:2] if rank == 1 else batches, cache=False))
+
+    # 9. Global batches that cannot be split evenly: the first one, and a later one.
+    odd = {k: v[:GLOBAL - 1] for k, v in batches[1].items()}
+    seen["odd_first"] = _timed(lambda: run(bert(), data=[odd], cache=False))
+    seen["odd_later"] = _timed(lambda: run(bert(), data=[batches[0], odd], cache=False))
+
+    # 10. The user's own DDP model, under the budgets of scenario 1.
+    with autofit.simulate_gpu(budgets[rank]):
+        model = torch.nn.parallel.DistributedDataParallel(bert())
+        result = run(model, cache=False)
+    seen["user_ddp"] = {"attempts": _attempts(result)}
+    torch.save(model.module.state_dict(), os.path.join(out_dir, f"user_ddp-{rank}.pt"))
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+# -- the parent ------------------------------------------------------------------------------
+def _second_step_peak(rows: int, micro: int) -> int:
+    import autofit
+    from autofit.device import SimulatedDevice
+    from autofit.plan import Plan
+    from autofit.step import StepRunner
+    from reference import bert, cls_batches
+
+    batch = {k: v[:rows] for k, v in cls_batches(1, rows=GLOBAL)[0].items()}
+    model = bert()
+    with autofit.simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        device.place_model(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+        runner.run(batch, Plan.for_batch(rows, micro))
+        runner.run(batch, Plan.for_batch(rows, micro))
+        return runner.attempt_peak()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each rank saw: [rank 0's dict, rank 1's dict], and the folder with their parameters."""
+    from reference import bert
+    out = tmp_path_factory.mktemp("distributed")
+    local = GLOBAL // WORLD
+    from autofit.simulate import round_bytes
+    # DDP's reducer keeps one bucket holding a copy of the gradients (the model is below 1 MiB).
+    ddp_buckets = round_bytes(sum(p.numel() * p.element_size() for p in bert().parameters()))
+    # Rank 1 fits 8 of its 16 rows at once but not 12; rank 0 fits all 16.
+    small = ddp_buckets + (_second_step_peak(local, 8) + _second_step_peak(local, 12)) // 2
+    budgets = [2 * small, small]
+    context = torch.multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out), budgets))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + PROCESS_TIMEOUT
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    assert not alive, f"ranks {[procs.index(p) for p in alive]} still running after {PROCESS_TIMEOUT} s"
+    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return seen, out
+
+
+def _load(out, name, rank):
+    return torch.load(out / f"{name}-{rank}.pt")
+
+
+def _split_loop(micro_sizes, make_model=None, batches=None, tokens=False):
+    """A plain single-process loop doing what the ranks do: each global batch cut into the ranks'
+    halves, each half into micro-batches of the given size, every piece weighted by its share of the
+    global batch (rows, or label tokens after the causal shift), each half's gradients accumulated
+    on their own and the halves then summed."""
+    from reference import bert, cls_batches
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: the same kernels reduce in the same order
+    try:
+        return _split_loop_1(micro_sizes, make_model or bert, batches or cls_batches(3, rows=GLOBAL), tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _split_loop_1(micro_sizes, make_model, batches, tokens):
+    model = make_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params)
+    share = (lambda b: int((b["labels"][:, 1:] != -100).sum())) if tokens else (lambda b: len(b["labels"]))
+    for batch, micro in zip(batches, micro_sizes):
+        n = len(batch["labels"])
+        local = n // WORLD
+        summed = None
+        for start in range(0, n, local):
+            for i in range(start, start + local, micro):
+                part = {k: v[i:min(i + micro, start + local)] for k, v in batch.items()}
+                (model(**part).loss * (share(part) / share(batch))).backward()
+            grads = [p.grad for p in params]
+            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+            opt.zero_grad(set_to_none=True)
+        for p, g in zip(params, summed):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_an_oom_on_one_rank_steps_every_rank_down_to_the_same_plan(ranks):
+    (r0, r1), out = ranks
+    plans0 = [a[:3] for a in r0["oom"]["attempts"]]
+    plans1 = [a[:3] for a in r1["oom"]["attempts"]]
+    assert plans0 == plans1
+    # The first step fits (no optimizer state yet); then 16 rows fail on rank 1, 8 fit, 12 fail.
+    assert plans0 == [[0, 16, "ok"], [1, 16, "oom"], [1, 8, "ok"], [2, 12, "oom"], [2, 8, "ok"]]
+    # Only rank 1 ran out of memory itself; rank 0 dropped its attempts because of it.
+    for attempt in r0["oom"]["attempts"]:
+        if attempt[2] == "oom":
+            assert attempt[4].startswith("out of memory on another rank (rank 1: OutOfMemoryError")
+    assert all(a[4].startswith("CUDA out of memory") for a in r1["oom"]["attempts"] if a[2] == "oom")
+    assert r0["oom"]["losses"] == r1["oom"]["losses"]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ranks_end_with_identical_parameters_equal_to_a_single_process_loop(ranks):
+    from reference import bert, cls_batches, plain_loop
+    (r0, r1), out = ranks
+    p0, p1 = _load(out, "oom", 0), _load(out, "oom", 1)
+    assert _equal(p0, p1)
+    assert r0["oom"]["micro"] == r1["oom"]["micro"] == [16, 8, 8]
+    assert _equal(p0, _split_loop(r0["oom"]["micro"]))  # bit for bit
+    full = plain_loop(bert(), cls_batches(3, rows=GLOBAL), [GLOBAL] * 3).state_dict()
+    assert _max_diff(p0, full) <= 1e-6  # the whole global batch at once, in one process
+
+
+def test_only_rank_0_writes_the_cache_and_every_rank_starts_from_it(ranks):
+    (r0, r1), _ = ranks
+    assert (r0["oom"]["cache"], r1["oom"]["cache"]) == (1, 0)
+    for seen in (r0, r1):
+        assert [a[2] for a in seen["cached"]["attempts"]] == ["ok"] * 3
+        assert seen["cached"]["reason"].startswith("cached: worked for this job")
+    assert [a[:3] for a in r0["cached"]["attempts"]] == [a[:3] for a in r1["cached"]["attempts"]]
+
+
+def test_every_rank_starts_from_the_plan_rank_0_estimated_for_the_smallest_budget(ranks):
+    (r0, r1), _ = ranks
+    assert [a[:3] for a in r0["estimated"]["attempts"]] == [a[:3] for a in r1["estimated"]["attempts"]]
+    assert r0["estimated"]["attempts"][0][:3] == [0, 8, "ok"]  # 16 would not fit rank 1
+    assert r0["estimated"]["reason"] == r1["estimated"]["reason"]
+    assert r0["estimated"]["reason"].startswith("estimated: fastest plan predicted to fit")
+
+
+def test_token_weighted_losses_match_the_single_process_full_batch(ranks):
+    from reference import gpt2, lm_batches, plain_loop
+    (r0, r1), out = ranks
+    for seen in (r0, r1):
+        assert [a[:3] for a in seen["tokens"]["attempts"]] == [[0, 4, "oom"], [0, 2, "ok"], [1, 3, "ok"]]
+    p0, p1 = _load(out, "tokens", 0), _load(out, "tokens", 1)
+    assert _equal(p0, p1)
+    batches = lm_batches(2, rows=8)
+    assert _equal(p0, _split_loop(r0["tokens"]["micro"], gpt2, batches, tokens=True))
+    # The whole global batch at once sums in another order: guarantee 1's bound (measured ~1e-6).
+    assert _max_diff(p0, plain_loop(gpt2(), batches, [8, 8], tokens=True).state_dict()) <= 1e-4
+
+
+def test_an_oom_in_one_ranks_optimizer_step_is_rolled_back_on_every_rank(ranks):
+    (r0, r1), out = ranks
+    first0, first1 = r0["step_oom"]["attempts"][0], r1["step_oom"]["attempts"][0]
+    assert first0[:4] == first1[:4] == [0, 16, "oom", "optimizer.step"]
+    assert "rank 1" in first0[4] and "rolled back" in first0[4]
+    assert [a[:3] for a in r0["step_oom"]["attempts"]] == [a[:3] for a in r1["step_oom"]["attempts"]]
+    p0, p1 = _load(out, "step_oom", 0), _load(out, "step_oom", 1)
+    assert _equal(p0, p1)
+    assert _equal(p0, _split_loop(r0["step_oom"]["micro"]))  # no update applied twice, on any rank
+
+
+@pytest.mark.parametrize("scenario, error, text", [
+    ("error", "ValueError", "rank 1 cannot compute this loss"),
+    ("data_error", "OSError", "rank 1 lost its data file"),
+])
+def test_a_non_oom_error_on_one_rank_ends_every_rank_promptly(ranks, scenario, error, text):
+    (r0, r1), _ = ranks
+    assert (r1[scenario]["error"], r1[scenario]["message"]) == (error, text)  # its own error, as raised
+    assert r0[scenario]["error"] == "RankFailed"
+    assert r0[scenario]["message"].startswith(f"rank 1 failed with {error}: {text}")
+    assert max(r0[scenario]["seconds"], r1[scenario]["seconds"]) < SLOWEST_ERROR_EXIT
+
+
+def test_ranks_with_different_numbers_of_batches_stop_together(ranks):
+    (r0, r1), _ = ranks
+    for seen in (r0, r1):
+        assert seen["short"]["error"] == "LockstepError"
+        assert "out of step" in seen["short"]["message"]
+        assert seen["short"]["seconds"] < SLOWEST_ERROR_EXIT
+
+
+@pytest.mark.parametrize("scenario", ["odd_first", "odd_later"])
+def test_a_global_batch_that_cannot_be_split_evenly_is_refused_on_every_rank(ranks, scenario):
+    (r0, r1), _ = ranks
+    for seen in (r0, r1):
+        assert seen[scenario]["error"] == "ValueError"
+        assert seen[scenario]["message"].startswith(f"global batch {GLOBAL - 1} cannot be split evenly "
+                                                    f"over 2 ranks")
+
+
+def test_a_model_already_wrapped_in_ddp_is_accepted(ranks):
+    (r0, r1), out = ranks
+    plans = [a[:3] for a in r0["user_ddp"]["attempts"]]
+    assert plans == [a[:3] for a in r1["user_ddp"]["attempts"]] == [a[:3] for a in r0["oom"]["attempts"]]
+    p0, p1 = _load(out, "user_ddp", 0), _load(out, "user_ddp", 1)
+    assert _equal(p0, p1) and _equal(p0, _load(out, "oom", 0))
