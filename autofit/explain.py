@@ -215,6 +215,18 @@ def _explain_eval(attempts) -> list[str]:
     return lines
 
 
+def explain_leaks(leaks) -> list[str]:
+    """Lines for the findings of `autofit.leaks.LeakWatch` (dicts: kind, culprit, bytes, fix)."""
+    if not leaks:
+        return []
+    lines = [f"leaks: {len(leaks)} found, memory your code keeps on the device (autofit cannot free "
+             f"it):"]
+    for leak in leaks:
+        lines.append(f"  - {leak['kind']}: {leak['culprit']} ({format_size(leak['bytes'])}).")
+        lines.append(f"    fix: {leak['fix']}.")
+    return lines
+
+
 def explain(result_or_error) -> str:
     """Plain text: each out-of-memory attempt, its memory by kind, the fixes, and the step-down."""
     attempts = getattr(result_or_error, "attempts", None)
@@ -252,8 +264,12 @@ def explain(result_or_error) -> str:
         lines.append("The estimate before training, by kind: " + format_breakdown(breakdown, budget))
         lines.extend(f"  - {fix.text}" for fix in fixes_for(breakdown, result_or_error.plan, budget))
         return "\n".join(lines)
+    leaks = list(getattr(result_or_error, "leaks", None) or [])  # autofit.leaks findings
+    lines.extend(explain_leaks(leaks))
     if not any(a.outcome == "oom" for a in training + evaluation):
-        lines.append("No attempt ran out of memory; nothing to fix.")
+        lines.append("No attempt ran out of memory; nothing to fix." if not leaks else
+                     "No attempt ran out of memory yet; the leaks above hold device memory that a "
+                     "longer run or a larger batch will run out of.")
         return "\n".join(lines)
 
     number, step, given = 0, None, set()

@@ -14,8 +14,10 @@ from .batches import dataset_batches, peek, token_counter
 from .controller import Attempt, Controller
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
+from .errors import DoesNotFit
 from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
 from .ladder import SizeLog, as_move, default_ladder
+from .leaks import LeakWatch
 from .memo import Memo
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from .plan import PRECISIONS, Plan
@@ -35,6 +37,7 @@ class RunResult:
     device: str = ""
     budget: int | None = None                                 # bytes, when one was enforced
     eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
+    leaks: list = field(default_factory=list)  # autofit.leaks findings: {"kind", "culprit", "bytes", "fix"}
 
     @property
     def oom_attempts(self) -> int:
@@ -164,6 +167,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
                                 settle_within=settle_within)
         result = RunResult(plan=start, device=device.describe(), budget=device.budget)
+        watch = LeakWatch(runner)  # batches handed over on the device; memory kept across steps
+        watch.check_batch(first, data)
         evaluation = None
         if eval_data is not None:
             sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
@@ -175,12 +180,16 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                 result.eval_attempts.extend(done.attempts)
                 result.eval_history.append(done.record(epoch))
         try:
-            _train(controller, epoch_batches, epochs, result, progress, evaluation, shard)
+            _train(controller, epoch_batches, epochs, result, progress, evaluation, shard, watch)
             if lockstep is not None:
                 lockstep.finish()  # every rank got to the end, at the same step
             memo.remember(controller.plan, sizes, controller.attempts,
                           sum(h["samples"] for h in result.history))
+        except DoesNotFit as error:
+            error.leaks = watch.findings  # explain(error) names what the user's code kept
+            raise
         finally:
+            result.leaks = watch.findings
             runner.close()
             if lockstep is not None:
                 lockstep.close()
@@ -188,7 +197,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                 model.eval()
             result.attempts = controller.attempts
             result.plan = controller.plan
-            del controller, runner, sched
+            del controller, runner, sched, watch
             if own_optimizer:
                 opt.state.clear()
             del opt
@@ -201,7 +210,8 @@ def _same(batch):
     return batch
 
 
-def _train(controller, epoch_batches, epochs, result, progress, evaluation=None, shard=_same) -> None:
+def _train(controller, epoch_batches, epochs, result, progress, evaluation=None, shard=_same,
+           watch=None) -> None:
     step = 0
     for epoch in range(epochs):
         batches = epoch_batches()
@@ -213,6 +223,8 @@ def _train(controller, epoch_batches, epochs, result, progress, evaluation=None,
         for batch in batches:
             loss = controller.train(shard(batch), step)
             plan = controller.plan
+            if watch is not None:
+                watch.after_step(step, plan, batch)
             result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": rows_of(batch),
                                    "plan": plan})
             if bar is not None:

@@ -1,0 +1,139 @@
+"""Variable-length data: the longest batch decides the plan; a longer batch arriving late is trained.
+
+Short batches (16 rows x 8 tokens) fit whole under the budget; a long one (16 x 64) arriving third
+does not at that plan, but does at half of it. The run must step down for it, replay it, train it
+(nothing dropped) and keep the mathematics of a plain loop that splits each batch as the run did.
+"""
+
+import math
+
+import pytest
+import torch
+
+import autofit
+from autofit.device import SimulatedDevice
+from autofit.plan import Plan
+from autofit.start import longest_batch
+from autofit.step import StepRunner
+from reference import bert, cls_batches, max_diff
+
+ROWS, SHORT, LONG = 16, 8, 64
+
+
+def small():
+    return bert(layers=1, hidden=16)
+
+
+def data():
+    short = cls_batches(3, rows=ROWS, seq=SHORT, seed=1)
+    [long] = cls_batches(1, rows=ROWS, seq=LONG, seed=2)
+    return [short[0], short[1], long, short[2]]  # the long batch arrives third
+
+
+def second_step_peak(batch, plan):
+    """Peak bytes of a global step once AdamW state exists, on the simulated GPU."""
+    model = small()
+    with autofit.simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        device.place_model(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+        runner.run(batch, plan)
+        runner.run(batch, plan)
+        return runner.attempt_peak()
+
+
+@pytest.fixture(scope="module")
+def budget():
+    batches = data()
+    short_whole = second_step_peak(batches[0], Plan(ROWS))
+    long_whole = second_step_peak(batches[2], Plan(ROWS))
+    long_half = second_step_peak(batches[2], Plan.for_batch(ROWS, ROWS // 2))
+    assert max(short_whole, long_half) < long_whole
+    return (max(short_whole, long_half) + long_whole) // 2  # short whole fits, long whole does not
+
+
+def plain_loop(batches, micro_sizes):
+    """AdamW over each batch split by its micro size, micro losses weighted by rows; the losses."""
+    model = small()
+    optimizer = torch.optim.AdamW(model.parameters())
+    losses = []
+    for batch, micro in zip(batches, micro_sizes):
+        total = 0.0
+        for i in range(0, ROWS, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            loss = model(**part).loss * (len(part["labels"]) / ROWS)
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return model, losses
+
+
+def check_trained_like_a_plain_loop(model, result, batches):
+    assert [h["step"] for h in result.history] == [0, 1, 2, 3]       # every batch, in order
+    assert [h["samples"] for h in result.history] == [ROWS] * 4
+    micro = [h["plan"].micro_batch_size for h in result.history]
+    reference, losses = plain_loop(batches, micro)
+    assert all(math.isfinite(h["loss"]) for h in result.history)
+    assert [round(h["loss"], 5) for h in result.history] == [round(x, 5) for x in losses]
+    assert max_diff(model, reference) <= 1e-6
+    return micro
+
+
+def test_a_long_batch_arriving_late_is_stepped_down_for_and_trained(budget):
+    batches = data()
+    model = small()
+    result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False, cache=False,
+                         capacity_check=False)
+    attempts = [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
+    assert attempts[:4] == [(0, 16, "ok"), (1, 16, "ok"), (2, 16, "oom"), (2, 8, "ok")]
+    assert all(a.outcome == "ok" for a in result.attempts[4:])
+    assert result.attempts[2].reason == "kept: fitted the previous global batch"
+    assert result.attempts[3].reason.startswith("smaller micro-batch")
+    micro = check_trained_like_a_plain_loop(model, result, batches)
+    assert micro[:3] == [16, 16, 8]
+
+
+def test_with_the_capacity_check_a_long_batch_the_estimate_never_saw_is_trained(budget):
+    """A generator cannot be looked ahead: the estimate sees the first (short) batch only."""
+    batches = data()
+    model = small()
+    result = autofit.run(model, (b for b in batches), budget=budget, precision="fp32", progress=False,
+                         cache=False)
+    assert result.attempts[0].reason.startswith("estimated: fastest plan predicted to fit")
+    assert result.attempts[0].plan.micro_batch_size == ROWS  # the short batches fit whole
+    long_step = [(a.plan.micro_batch_size, a.outcome) for a in result.attempts if a.step == 2]
+    assert long_step[0] == (ROWS, "oom") and long_step[-1][1] == "ok"
+    assert long_step[-1][0] <= ROWS // 2
+    check_trained_like_a_plain_loop(model, result, batches)
+
+
+def test_with_the_capacity_check_a_list_is_planned_for_its_longest_batch(budget):
+    batches = data()
+    model = small()
+    result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False, cache=False)
+    first = result.attempts[0]
+    assert first.reason.startswith("estimated: fastest plan predicted to fit")
+    assert first.outcome == "ok" and first.plan.micro_batch_size <= ROWS // 2  # sized for the long one
+    assert [a.outcome for a in result.attempts if a.step == 2][-1] == "ok"
+    check_trained_like_a_plain_loop(model, result, batches)
+
+
+# -- longest_batch ------------------------------------------------------------------------------------
+
+def test_longest_batch_picks_the_batch_with_the_most_elements_of_a_list():
+    batches = data()
+    assert longest_batch(batches, batches[0]) is batches[2]
+    assert longest_batch(tuple(batches), batches[0]) is batches[2]
+    wide = {"input_ids": torch.zeros(ROWS, SHORT, dtype=torch.long), "labels": torch.zeros(ROWS, LONG + 1)}
+    assert longest_batch(batches + [wide], batches[0]) is wide  # every tensor counts
+
+
+def test_longest_batch_of_data_it_cannot_look_ahead_in_is_the_first():
+    batches = data()
+    assert longest_batch(iter(batches), batches[0]) is batches[0]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 3)), batch_size=4)
+    first = next(iter(loader))
+    assert longest_batch(loader, first) is first
+    assert longest_batch("not batches", batches[0]) is batches[0]
