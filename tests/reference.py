@@ -1,6 +1,10 @@
 """Independent plain training loops the tests compare autofit against (no autofit code inside)."""
 
 import torch
+
+import autofit
+from autofit.device import SimulatedDevice
+from autofit.step import StepRunner
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 
@@ -64,3 +68,29 @@ def plain_loop(model, batches, micro_sizes, *, tokens=False, optimizer=None):
 def max_diff(a, b) -> float:
     return max((pa.detach() - pb.detach()).abs().max().item()
                for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def second_step_peak(model, batch, plan):
+    """Peak bytes of a global step once AdamW state exists, measured on the simulated GPU."""
+    with autofit.simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        device.place_model(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+        runner.run(batch, plan)
+        runner.run(batch, plan)
+        return runner.attempt_peak()
+
+
+def storage_bytes(tensors):
+    """Bytes the simulated GPU counts for these tensors' storages (512-byte rounding)."""
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if id(s) not in seen:
+            seen.add(id(s))
+            total += -(-s.nbytes() // 512) * 512
+    return total
+
+
+def model_bytes(model):
+    return storage_bytes(list(model.parameters()) + list(model.buffers()))

@@ -19,7 +19,7 @@ from autofit.leaks import (FIX_BATCH, FIX_GROWTH, FIX_LOSS, FIX_NODE, FIX_OPTIMI
 from autofit.plan import Plan
 from autofit.run import RunResult
 from autofit.step import StepRunner
-from reference import bert, cls_batches
+from reference import bert, cls_batches, storage_bytes
 
 MODULE = __name__
 PLAN = Plan(4)
@@ -32,16 +32,6 @@ def tiny():
 
 def batches(n=STEPS):
     return cls_batches(n, rows=4, seq=8, vocab=50)
-
-
-def storage_bytes(tensors):
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if id(s) not in seen:
-            seen.add(id(s))
-            total += -(-s.nbytes() // 512) * 512
-    return total
 
 
 def state_bytes(optimizer):

@@ -8,23 +8,14 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 import autofit
-from autofit.device import SimulatedDevice
 from autofit.ladder import checkpointing, offload_optimizer
 from autofit.plan import Plan
-from autofit.step import StepRunner
 from reference import bert, cls_batches, gpt2, lm_batches, max_diff, plain_loop
+from reference import second_step_peak as reference_peak
 
 
 def second_step_peak(make_model, batch, plan):
-    """Peak bytes of a global step once AdamW state exists, measured on the simulated GPU."""
-    model = make_model()
-    with autofit.simulate_gpu() as gpu:
-        device = SimulatedDevice(gpu)
-        device.place_model(model)
-        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
-        runner.run(batch, plan)
-        runner.run(batch, plan)
-        return runner.attempt_peak()
+    return reference_peak(make_model(), batch, plan)
 
 
 def micro_sizes(result):

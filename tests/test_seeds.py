@@ -19,37 +19,16 @@ from transformers import get_linear_schedule_with_warmup
 import autofit
 from autofit.device import SimulatedDevice
 from autofit.plan import Plan
-from autofit.step import StepRunner
-from reference import bert, cls_batches, max_diff, plain_loop
+from reference import bert, cls_batches, max_diff, model_bytes, plain_loop, storage_bytes
+from reference import second_step_peak as reference_peak
 
 
 def small():
     return bert(layers=1, hidden=16)
 
 
-def storage_bytes(tensors):
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if id(s) not in seen:
-            seen.add(id(s))
-            total += -(-s.nbytes() // 512) * 512
-    return total
-
-
-def model_bytes(model):
-    return storage_bytes(list(model.parameters()) + list(model.buffers()))
-
-
 def second_step_peak(batch, plan, make=small):
-    model = make()
-    with autofit.simulate_gpu() as gpu:
-        device = SimulatedDevice(gpu)
-        device.place_model(model)
-        runner = StepRunner(model, AdamW(model.parameters()), device)
-        runner.run(batch, plan)
-        runner.run(batch, plan)
-        return runner.attempt_peak()
+    return reference_peak(make(), batch, plan)
 
 
 def sequence(result):

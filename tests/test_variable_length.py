@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import autofit
-from autofit.device import SimulatedDevice
 from autofit.plan import Plan
 from autofit.start import longest_batch
-from autofit.step import StepRunner
 from reference import bert, cls_batches, max_diff
+from reference import second_step_peak as reference_peak
 
 ROWS, SHORT, LONG = 16, 8, 64
 
@@ -31,15 +30,7 @@ def data():
 
 
 def second_step_peak(batch, plan):
-    """Peak bytes of a global step once AdamW state exists, on the simulated GPU."""
-    model = small()
-    with autofit.simulate_gpu() as gpu:
-        device = SimulatedDevice(gpu)
-        device.place_model(model)
-        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
-        runner.run(batch, plan)
-        runner.run(batch, plan)
-        return runner.attempt_peak()
+    return reference_peak(small(), batch, plan)
 
 
 @pytest.fixture(scope="module")
