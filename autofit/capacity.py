@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from .batches import batch_size
 from .checkpointing import Checkpointing
 from .estimate import Estimator, MemoryEstimate
-from .ladder import BUSY_FLOOR
+from .ladder import BUSY_FLOOR, config_of
 from .memory import format_breakdown
 from .plan import PRECISIONS, Plan
 from .sizes import format_size, parse_size
@@ -164,7 +164,7 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
 
     configs: dict[tuple, list[Plan]] = {}
     for plan in plans:
-        configs.setdefault(_config(plan), []).append(plan)
+        configs.setdefault(config_of(plan), []).append(plan)
 
     def floor(offloaded: bool) -> int:
         return _floor(estimator.resident, measured.values(), offloaded)
@@ -178,7 +178,7 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
         if floor(frugal.offload_optimizer) > TIGHT * limit:
             # Little room beyond what every plan holds: first see whether the most frugal plans
             # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
-            tight = [p for p in plans if _config(p)[1:] == _config(frugal)[1:]
+            tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
                      and p.micro_batch_size == frugal.micro_batch_size]
             if not any(measure(p).fits for p in tight):
                 return _sorted(measured, plans)
@@ -201,10 +201,6 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
 def _sorted(measured: dict, plans: list[Plan]) -> list[Candidate]:
     order = {p: i for i, p in enumerate(plans)}
     return sorted(measured.values(), key=lambda c: (c.cost, order.get(c.plan, 0)))
-
-
-def _config(plan: Plan) -> tuple:
-    return (plan.precision, plan.checkpointing, plan.offload_optimizer)
 
 
 def _floor(resident: dict, measured, offloaded: bool) -> int:

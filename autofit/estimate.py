@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
 from .device import Device, _map_tensors
-from .memory import KINDS, format_breakdown
+from .memory import KINDS, format_breakdown, storage_bytes
 from .plan import Plan
 from .simulate import SimulatedGPU, _CountingMode, round_bytes
 from .step import StepRunner
@@ -386,16 +386,6 @@ def _on_device_state(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        key = id(t.untyped_storage())
-        if key not in seen:
-            seen.add(key)
-            total += round_bytes(t.untyped_storage().nbytes())
-    return total
-
-
 # -- the estimate -------------------------------------------------------------------------------
 
 class Estimator:
@@ -442,9 +432,9 @@ class Estimator:
         """Bytes that every plan keeps on the device at its optimizer step, whatever the batch."""
         params = list(self.model.parameters()) + list(self.model.buffers())
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        return {"params": _storage_bytes(params),
+        return {"params": storage_bytes(params),
                 "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
-                "optimizer": _storage_bytes(self._state())}
+                "optimizer": storage_bytes(self._state())}
 
     def measure(self, plan: Plan) -> MemoryEstimate:
         if not isinstance(plan, Plan):

@@ -29,27 +29,22 @@ into training and never holds a reference to a tensor it found.
 from __future__ import annotations
 
 import gc
-import inspect
 import logging
-import sys
-import types
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .batches import _fields
-from .memory import by_kind
-from .simulate import round_bytes
+from .culprits import _key, _nbytes, graph_bytes, locate
+from .memory import by_kind, storage_bytes
 from .sizes import format_size
 
 log = logging.getLogger("autofit.leaks")
 
 GROWTH_STEPS = 3        # the leftover grows this many steps in a row under one plan: a leak
-MAX_DEPTH = 6           # referrer hops tried when naming what holds a tensor
 MAX_NODES = 200         # tops of graphs held by Python that are looked into, at most
-MAX_GRAPH_NODES = 20_000
 
 KINDS = ("batch-on-device", "graph-kept", "tensor-kept", "previous-optimizer", "memory-growth")
 
@@ -85,15 +80,6 @@ def on_device_predicate(device):
     return lambda t: False
 
 
-def _key(t: torch.Tensor) -> int:
-    storage = t.untyped_storage()
-    return storage.data_ptr() or id(storage)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return round_bytes(t.untyped_storage().nbytes())
-
-
 def _shape(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
@@ -101,16 +87,6 @@ def _shape(t: torch.Tensor) -> str:
 def _device_fields(batch, on_device) -> list[tuple[str, torch.Tensor]]:
     return [(path, v) for path, v in _fields(batch)
             if isinstance(v, torch.Tensor) and on_device(v)]
-
-
-def _unique_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        k = _key(t)
-        if k not in seen:
-            seen.add(k)
-            total += _nbytes(t)
-    return total
 
 
 def batch_on_device(batch, device) -> str | None:
@@ -125,307 +101,9 @@ def batch_on_device(batch, device) -> str | None:
         return None
     shown = ", ".join(f"{path} {_shape(t)} ({format_size(_nbytes(t))})" for path, t in fields[:4])
     more = f" and {len(fields) - 4} more" if len(fields) > 4 else ""
-    total = _unique_bytes(t for _, t in fields)
+    total = storage_bytes(t for _, t in fields)
     return (f"the batch arrives already on {device.describe()}: {shown}{more}, "
             f"{format_size(total)}. Fix: {FIX_BATCH}.")
-
-
-# -- naming what holds a tensor -----------------------------------------------------------------------
-
-class _Holder:
-    """What a search found holding one tensor: the path from a named root down to it."""
-
-    __slots__ = ("root", "outer", "container", "optimizer")
-
-    def __init__(self):
-        self.root = None       # "the global `LOSSES` of module x", ... (None: not found)
-        self.outer = ""        # ".last": the accessors from the root to the tensor's direct holder
-        self.container = None  # description of the direct holder: "a list", "a SequenceClassifierOutput"
-        self.optimizer = None  # description of the optimizer whose state it is, if any
-
-
-def _module_dicts() -> dict:
-    out = {}
-    for name, module in list(sys.modules.items()):
-        try:
-            key = id(vars(module))
-        except Exception:  # lazy modules that refuse vars()
-            continue
-        if key not in out or out[key].startswith("__mp_"):  # multiprocessing's alias of __main__
-            out[key] = name
-    return out
-
-
-# Before Python 3.13 a function frame's f_locals is a snapshot dict kept on the frame: it would keep
-# what it saw alive after the function rebinds its variables (an earlier phase's optimizer, say).
-_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
-
-
-def _stack_locals(skip_files) -> dict:
-    """{id(value): (variable, function)} for the locals of the frames on this thread's stack.
-
-    Executing frames are invisible to `gc.get_referrers`, so a list held only in a local variable
-    of the caller of `autofit.run` is found here. The snapshots read are cleared again."""
-    out = {}
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename not in skip_files:
-            for name, value in _frame_locals(frame):
-                out.setdefault(id(value), (name, frame.f_code.co_qualname))
-        frame = frame.f_back
-    del frame
-    return out
-
-
-def _frame_locals(frame) -> list:
-    """[(name, value)] of a frame's locals, leaving no snapshot behind on the frame."""
-    try:
-        names = frame.f_locals
-        items = list(names.items())
-        if _SNAPSHOT_LOCALS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and type(names) is dict:
-            names.clear()  # the values stay in the frame's own variables
-        return items
-    except Exception:
-        return []
-
-
-class _Lazy:
-    """A value computed on first use (the stack's locals: needed only for what has no other name)."""
-
-    def __init__(self, make):
-        self.make, self.value = make, None
-
-    def __call__(self):
-        if self.value is None:
-            self.value = self.make()
-        return self.value
-
-
-def _describe_container(obj) -> str:
-    if isinstance(obj, list):
-        return "a list"
-    if isinstance(obj, tuple):
-        return "a tuple"
-    if isinstance(obj, Mapping):
-        return "a dict" if type(obj) is dict else f"a {type(obj).__name__}"
-    return f"a {type(obj).__name__}"
-
-
-def _accessor(holder, obj) -> str | None:
-    """How `holder` reaches `obj` directly ("[3]", "['logits']", ".last"), None when it does not."""
-    try:
-        if isinstance(holder, (list, tuple)):
-            for i, v in enumerate(holder):
-                if v is obj:
-                    return f"[{i}]"
-        if isinstance(holder, Mapping):
-            for k, v in holder.items():
-                if v is obj:
-                    return f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__}>]"
-        attrs = getattr(holder, "__dict__", None)
-        if isinstance(attrs, dict):
-            for k, v in attrs.items():
-                if v is obj:
-                    return f".{k}"
-    except Exception:
-        return None
-    return None
-
-
-def _optimizer_words(opt) -> str:
-    lrs = sorted({g.get("lr") for g in opt.param_groups if "lr" in g}, key=str)
-    lr = f" (lr={', '.join(f'{x:g}' if isinstance(x, float) else str(x) for x in lrs)})" if lrs else ""
-    return f"another {type(opt).__name__}{lr}"
-
-
-def _locate(objects: list, ignore: set, current_optimizer=None) -> list[_Holder]:
-    """For each object (tensors, autograd nodes), a _Holder naming what references it.
-
-    Climbs referrers (`gc.get_referrers`, one call per level for all objects) up to MAX_DEPTH hops,
-    stopping at a name: a module global, a variable captured by a closure, a local of a frame on
-    the stack, or an optimizer's state.
-    """
-    skip_files = {__file__}
-    modules = _module_dicts()
-    stack = _Lazy(lambda: _stack_locals(skip_files | {__file__}))
-    holders = [_Holder() for _ in objects]
-    current = list(objects)           # the object each search has climbed to
-    trail: list[list] = [[] for _ in objects]  # accessor strings, innermost first
-    open_ = list(range(len(objects)))
-    mine = {id(objects), id(holders), id(current), id(trail), id(open_), id(modules)}
-    mine |= {id(t) for t in trail}
-    for _ in range(MAX_DEPTH):
-        if not open_:
-            break
-        level = []
-        seen = set()
-        for i in open_:
-            if id(current[i]) not in seen:
-                seen.add(id(current[i]))
-                level.append(current[i])
-        wanted = {id(o) for o in level}
-        refs: dict = {k: [] for k in wanted}
-        mine.add(id(level))
-        for r in gc.get_referrers(*level):
-            if id(r) in ignore or id(r) in mine:
-                continue
-            if isinstance(r, types.FrameType):
-                if r.f_code.co_filename in skip_files:
-                    continue
-            elif isinstance(r, tuple) and len(r) == len(level) and all(a is b for a, b in zip(r, level)):
-                continue  # the argument tuple of get_referrers itself
-            try:
-                inside = {id(x) for x in gc.get_referents(r)} & wanted
-            except Exception:
-                continue
-            for k in inside:
-                refs[k].append(r)
-        owners = _dict_owners([r for rs in refs.values() for r in rs
-                               if type(r) is dict and id(r) not in modules])
-        still = []
-        for i in open_:
-            obj = current[i]
-            found = _step_up(obj, refs.get(id(obj), []), modules, stack, owners, holders[i], trail[i],
-                             current_optimizer)
-            if found is None:
-                continue  # named, or nothing to climb to
-            current[i] = found
-            still.append(i)
-        open_ = still
-        del level, refs, owners
-    for i, h in enumerate(holders):
-        h.outer = "".join(reversed(trail[i][1:]))  # trail[i][0] reaches the tensor itself
-    del current, trail
-    return holders
-
-
-def _step_up(obj, referrers, modules, stack, owners, holder: _Holder, trail: list, current_optimizer):
-    """Name `obj` from its referrers, or return the container to climb to next (None: stop)."""
-    for r in referrers:  # a module global names it best
-        name = modules.get(id(r))
-        if name is not None:
-            key = next((k for k, v in r.items() if v is obj), None)
-            if key is not None:
-                holder.root = f"the global `{key}` of module {name}"
-                return None
-    for r in referrers:  # a variable a closure captured
-        if isinstance(r, types.CellType):
-            owner = _closure_owner(r)
-            if owner is not None:
-                fn, var = owner
-                holder.root = f"the variable `{var}` captured by {fn.__qualname__}()"
-                return None
-    named = stack().get(id(obj))
-    if named is not None:
-        var, fn = named
-        holder.root = f"the local variable `{var}` of {fn}()"
-        return None
-    for r in referrers:  # a frame not on this stack (a generator, a kept traceback)
-        if isinstance(r, types.FrameType):
-            var = next((k for k, v in _frame_locals(r) if v is obj), None)
-            if var is not None:
-                holder.root = f"the local variable `{var}` of {r.f_code.co_qualname}()"
-                return None
-    for r in referrers:
-        if isinstance(r, torch.optim.Optimizer) and r is not current_optimizer:
-            holder.optimizer = _optimizer_words(r)
-            trail.append(".state")
-            return r  # climb on: name the optimizer itself
-    # An instance whose attribute (or whose __dict__) holds it; then containers.
-    best = None
-    for r in referrers:
-        if isinstance(r, (types.FrameType, types.CellType, types.FunctionType, type)):
-            continue
-        if isinstance(r, dict):
-            owner = owners.get(id(r))
-            if owner is not None:
-                key = next((k for k, v in r.items() if v is obj), None)
-                if key is not None:
-                    best = (owner, f".{key}")
-                    break
-        acc = _accessor(r, obj)
-        if acc is None:
-            continue
-        if isinstance(r, torch.optim.Optimizer):
-            return None  # the current optimizer's own state: not a leak (filtered before)
-        if best is None or (acc.startswith(".") and not best[1].startswith(".")):
-            best = (r, acc)
-    if best is None:
-        return None
-    owner, acc = best
-    if isinstance(owner, torch.optim.Optimizer):
-        if owner is current_optimizer:
-            return None
-        holder.optimizer = _optimizer_words(owner)
-    if holder.container is None:
-        holder.container = _describe_container(owner)
-    trail.append(acc)
-    return owner
-
-
-def _closure_owner(cell):
-    for f in gc.get_referrers(cell):
-        if isinstance(f, tuple):
-            for fn in gc.get_referrers(f):
-                if isinstance(fn, types.FunctionType) and fn.__closure__ is f:
-                    try:
-                        return fn, fn.__code__.co_freevars[f.index(cell)]
-                    except (ValueError, IndexError):
-                        return None
-    return None
-
-
-def _dict_owners(dicts) -> dict:
-    """{id(d): the object whose __dict__ d is} for those of `dicts` that are an instance's
-    attributes (one heap search for all); the others are containers."""
-    if not dicts:
-        return {}
-    wanted = {id(d): d for d in dicts}
-    out = {}
-    for o in gc.get_referrers(*wanted.values()):
-        try:
-            if isinstance(o, (dict, list, tuple, types.FrameType)):
-                continue
-            d = getattr(o, "__dict__", None)
-            if d is not None and id(d) in wanted and wanted[id(d)] is d:
-                out[id(d)] = o
-        except Exception:
-            continue
-    del wanted
-    return out
-
-
-# -- the graph behind a tensor ------------------------------------------------------------------------
-
-def _graph_bytes(nodes, on_device, skip: set) -> int:
-    """Device bytes saved for backward by the autograd graph reachable from `nodes` (not yet freed)."""
-    seen, keep, counted, total = set(), [], set(skip), 0
-    todo = [n for n in nodes if n is not None]
-    while todo and len(seen) < MAX_GRAPH_NODES:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        keep.append(node)  # ids stay unique while the walk runs
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except Exception:  # freed by a backward already
-                continue
-            values = value if isinstance(value, (list, tuple)) else (value,)
-            for v in values:
-                if isinstance(v, torch.Tensor) and on_device(v):
-                    k = _key(v)
-                    if k not in counted:
-                        counted.add(k)
-                        total += _nbytes(v)
-        try:
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-        except Exception:
-            pass
-    return total
 
 
 # -- the watch ----------------------------------------------------------------------------------------
@@ -483,14 +161,14 @@ class LeakWatch:
                 return None
             fields = _device_fields(batch, self.on_device)
             culprit = ", ".join(f"{path} {_shape(t)}" for path, t in fields[:4])
-            nbytes = _unique_bytes(t for _, t in fields)
+            nbytes = storage_bytes(t for _, t in fields)
             if sized:
                 everything = [t for b in data for _, t in _device_fields(b, self.on_device)]
                 for t in everything:
                     self._data_storages[_key(t)] = weakref.ref(t.untyped_storage())
-                self._data_bytes = _unique_bytes(everything)
+                self._data_bytes = storage_bytes(everything)
                 if len(data) > 1:
-                    nbytes = _unique_bytes(everything)
+                    nbytes = storage_bytes(everything)
                     culprit += (f"; the data holds {len(data)} batches on the device, "
                                 f"{format_size(nbytes)} in all")
                 del everything
@@ -617,9 +295,10 @@ class LeakWatch:
             except Exception:
                 continue
         nodes = [n for n in nodes if id(n) not in inner][:MAX_NODES]
-        nodes = [n for n in nodes if _graph_bytes([n], self.on_device, training)]
+        nodes = [n for n in nodes if graph_bytes([n], self.on_device, training)]
         objects = tensors + nodes
-        holders = _locate(objects, {id(tensors), id(nodes), id(objects)}, self.runner.optimizer) \
+        holders = locate(objects, {id(tensors), id(nodes), id(objects)}, self.runner.optimizer,
+                                 skip_files={__file__}) \
             if objects else []
         groups: dict[tuple, list] = {}
         for obj, holder in zip(objects, holders):
@@ -642,8 +321,8 @@ class LeakWatch:
             else:
                 continue  # constant, without a graph: a cache or the user's own data, not a leak
             key = (kind, root, outer)
-            saved = _graph_bytes([t.grad_fn for t in ts] + ns, self.on_device, training)
-            nbytes = _unique_bytes(ts) + saved
+            saved = graph_bytes([t.grad_fn for t in ts] + ns, self.on_device, training)
+            nbytes = storage_bytes(ts) + saved
             known = self._findings.get(key)
             grows = growth is not None and kind != "previous-optimizer" and (
                 (new_storage and (fresh is not None or known is None))

@@ -10,13 +10,16 @@ from .sizes import format_size
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
-def _storage_bytes(tensors, seen: set, on_device) -> int:
+def storage_bytes(tensors, seen: set | None = None, on_device=None) -> int:
+    """Bytes of the distinct storages behind `tensors` (512-byte rounding); non-tensors and, with
+    `on_device`, tensors it rejects are skipped; `seen` carries storages already counted."""
+    seen = set() if seen is None else seen
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or not on_device(t):
+        if not isinstance(t, torch.Tensor) or (on_device is not None and not on_device(t)):
             continue
         storage = t.untyped_storage()
-        key = storage.data_ptr() or id(storage)
+        key = storage.data_ptr() or id(storage)  # fake tensors have no data pointer
         if key in seen:
             continue
         seen.add(key)
@@ -36,13 +39,13 @@ def by_kind(device, model, optimizer=None, batch_bytes: int = 0) -> dict:
             return gpu is None or gpu.holds(t)
     seen: set = set()
     params = list(model.parameters()) + list(model.buffers())
-    out = {"params": _storage_bytes(params, seen, on_device)}
-    out["grads"] = _storage_bytes([p.grad for p in model.parameters()], seen, on_device)
+    out = {"params": storage_bytes(params, seen, on_device)}
+    out["grads"] = storage_bytes([p.grad for p in model.parameters()], seen, on_device)
     state = []
     if optimizer is not None:
         for entry in optimizer.state.values():
             state.extend(v for v in entry.values() if isinstance(v, torch.Tensor))
-    out["optimizer"] = _storage_bytes(state, seen, on_device)
+    out["optimizer"] = storage_bytes(state, seen, on_device)
     out["other"] = batch_bytes
     allocated = device.memory_allocated()
     out["activations"] = max(allocated - sum(out.values()), 0)

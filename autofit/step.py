@@ -15,6 +15,7 @@ import torch
 from .atomic import AtomicStep
 from .batches import split, weights
 from .checkpointing import Checkpointing
+from .ladder import config_of
 from .offload import Offloaded
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +150,7 @@ class StepRunner:
             step = target.step
         if wrap is not None:
             step = wrap(step)
-        key = (plan.precision, plan.checkpointing, plan.offload_optimizer)
+        key = config_of(plan)
         try:
             self.atomic(step, key=key, guard=False if self.offloaded is not None else guard)
         finally:
