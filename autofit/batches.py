@@ -40,6 +40,17 @@ def batch_size(batch) -> int:
     return next(iter(sizes.values()))
 
 
+def row_elements(batch) -> int:
+    """Elements per row, summed over the batch's tensors: how long a batch's rows are.
+
+    Memory grows with it, whatever dimension grows: for token batches it is the number of fields
+    times the sequence length (plus one per label), for images it is fixed. The sizes a plan was
+    proven for are kept per row length (`ladder.SizeLog`).
+    """
+    rows = max(batch_size(batch), 1)
+    return sum(v.numel() // rows for _, v in _fields(batch) if isinstance(v, torch.Tensor))
+
+
 def slice_batch(batch, start: int, stop: int):
     """Rows [start, stop) of every tensor; non-tensor leaves are shared by all micro-batches."""
     if isinstance(batch, torch.Tensor):

@@ -16,7 +16,7 @@ import torch
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
-from .batches import batch_size
+from .batches import batch_size, row_elements
 from .device import describe_tensors
 from .errors import DoesNotFit, MemoryNotReleased
 from .ladder import SizeLog
@@ -92,6 +92,8 @@ class Controller:
         """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits."""
         global_batch = batch_size(batch)
         self.plan = self.plan.with_micro_batch(self.plan.micro_batch_size, global_batch)
+        self.sizes.length = row_elements(batch)
+        self._size_for_length(global_batch)
         self._fallback = None
         # No probe on a run's first step: the optimizer state does not exist yet, so a size that
         # fits then proves nothing about the steps after it.
@@ -112,6 +114,24 @@ class Controller:
                 attempts=self.attempts, breakdown=last.memory if last else None,
                 budget=self.device.budget)
         return outcome.loss
+
+    def _size_for_length(self, global_batch: int) -> None:
+        """Take the micro-batch proven for rows as long as this batch's: up after long batches,
+        down when a batch is longer than those the current size was proven on."""
+        plan, length = self.plan, self.sizes.length
+        proven = self.sizes.fit(plan)
+        if proven is not None:
+            why = f"the micro-batch proven for rows this long ({length} elements per row)"
+        else:
+            longest = self.sizes.longest_fit(plan)
+            if longest is None or longest[1] >= plan.micro_batch_size:
+                return  # nothing proven, or nothing smaller proven: try the plan as it is
+            proven = longest[1]
+            why = (f"rows of {length} elements, longer than any trained so far: the micro-batch "
+                   f"proven for the longest ({longest[0]:g})")
+        sized = plan.with_micro_batch(proven, global_batch)
+        if sized != plan:
+            self.plan, self.reason = sized, why
 
     # -- one attempt ---------------------------------------------------------------------------
     def _attempt(self, batch, step: int, global_batch: int) -> _Outcome:
@@ -182,7 +202,7 @@ class Controller:
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:
             return True
-        ceiling = self.sizes.fails.get((bigger.precision, bigger.checkpointing, bigger.offload_optimizer))
+        ceiling = self.sizes.fail(bigger)
         fit = self.plan.micro_batch_size
         return ceiling is None or (ceiling - 1 - fit) > fit * self.settle_within
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .memory import storage_key
 from .simulate import round_bytes
 
 MAX_DEPTH = 6           # referrer hops tried when naming what holds a tensor
@@ -18,8 +19,7 @@ MAX_GRAPH_NODES = 20_000
 
 
 def _key(t: torch.Tensor) -> int:
-    storage = t.untyped_storage()
-    return storage.data_ptr() or id(storage)
+    return storage_key(t.untyped_storage())
 
 
 def _nbytes(t: torch.Tensor) -> int:

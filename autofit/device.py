@@ -84,6 +84,10 @@ class Device:
     def place_model(self, model: torch.nn.Module) -> None:
         pass
 
+    def place_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count the state an optimizer already holds (a warm optimizer handed over). On CUDA the
+        state is where the user put it."""
+
     def to_device(self, batch):
         return batch
 
@@ -130,6 +134,12 @@ class SimulatedDevice(Device):
 
     def place_model(self, model):
         self.gpu.track(list(model.parameters()) + list(model.buffers()))
+
+    def place_optimizer(self, optimizer):
+        # State made before the simulation (outside `simulate_gpu`) lives on the card too; step
+        # counters (0-dimensional) are host values on CUDA and are not counted.
+        self.gpu.track(v for state in optimizer.state.values() for v in state.values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0 and not self.gpu.holds(v))
 
     def to_device(self, batch):
         # A copy, as a host-to-device copy would be: it is counted, and freed when the step drops it.

@@ -336,8 +336,7 @@ class Lockstep:
             try:
                 plan, reason, settle = choose()
                 payload = json.dumps({"plan": plan.to_dict(), "reason": reason, "settle": settle,
-                                      "fits": [[list(k), v] for k, v in sizes.fits.items()],
-                                      "fails": [[list(k), v] for k, v in sizes.fails.items()]}).encode()
+                                      "sizes": sizes.to_json()}).encode()
             except Exception as error:
                 failure = error
         verdict = self.agree(DECIDE, failure=failure, value=float(len(payload)), host=self._host)
@@ -352,8 +351,8 @@ class Lockstep:
                 self.settled = True
                 raise
             decided = json.loads(bytes(data.tolist()).decode())
-        sizes.fits = {tuple(k): v for k, v in decided["fits"]}
-        sizes.fails = {tuple(k): v for k, v in decided["fails"]}
+        agreed = SizeLog.from_json(decided["sizes"])
+        sizes.fits, sizes.fails = agreed.fits, agreed.fails
         return Plan.from_dict(decided["plan"]), decided["reason"], decided["settle"]
 
     def local(self, batch):

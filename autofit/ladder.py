@@ -5,13 +5,14 @@ tenacity's strategies: `a | b` tries `a`, and `b` only when `a` returns None. Ev
 `why`, the reason logged and recorded with each step-down.
 
 The micro-batch moves are not blind halving: they read a `SizeLog` of the sizes already seen to fit
-or fail for each configuration (precision, checkpointing, offload), never propose a size known to
-fail, and `SizeLog.probe_up` lets the controller search upward between the largest size that fitted
-and the smallest that failed, so a run settles on the largest micro-batch that fits.
+or fail for each configuration (precision, checkpointing, offload) and row length, never propose a
+size known to fail, and `SizeLog.probe_up` lets the controller search upward between the largest
+size that fitted and the smallest that failed, so a run settles on the largest micro-batch that fits.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .plan import Plan
@@ -20,43 +21,103 @@ BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper move
 
 
 def config_of(plan: Plan) -> tuple:
-    """What a micro-batch size's memory depends on besides the size itself."""
+    """What a micro-batch size's memory depends on besides the size itself and the batch's rows."""
     return (plan.precision, plan.checkpointing, plan.offload_optimizer)
+
+
+EVERY = None  # a length not given: a record or a question about every length
 
 
 @dataclass
 class SizeLog:
-    """Micro-batch sizes seen to fit or fail, per configuration; memory grows with size."""
+    """Micro-batch sizes seen to fit or fail, per configuration and per row length.
 
-    fits: dict = field(default_factory=dict)   # config -> largest size that fitted
-    fails: dict = field(default_factory=dict)  # config -> smallest size that failed
+    Memory grows with the micro-batch and with the length of its rows (`batches.row_elements`:
+    for token batches, a multiple of the sequence length), so a size that fitted at length L fits
+    every shorter row, and a size that failed at length L fails at every longer one. The sizes
+    proven for one length are therefore never taken for a longer one: a run that probed up on short
+    batches goes back to the size proven for long ones when a long batch arrives.
 
-    def record(self, plan: Plan, ok: bool, global_batch: int | None = None) -> None:
+    `length` is the row length of the global batch being trained (the controller sets it); the
+    queries and records use it unless given another. A length of None stands for every length:
+    a fit recorded without a length holds at every length, a failure fails at every length.
+    """
+
+    fits: dict = field(default_factory=dict)   # config -> {length: largest size that fitted at it}
+    fails: dict = field(default_factory=dict)  # config -> {length: smallest size that failed at it}
+    length: int | None = EVERY
+
+    def record(self, plan: Plan, ok: bool, global_batch: int | None = None, length=None) -> None:
         key, size = config_of(plan), plan.micro_batch_size
+        length = self.length if length is None else length
         if global_batch is not None:
             size = min(size, global_batch)
         if ok:
-            self.fits[key] = max(self.fits.get(key, 0), size)
-        else:
-            self.fails[key] = min(self.fails.get(key, size), size)
-            if self.fits.get(key, 0) >= size:
-                del self.fits[key]  # it fitted before the optimizer state existed; not any more
+            at = math.inf if length is EVERY else length
+            fits = self.fits.setdefault(key, {})
+            fits[at] = max(fits.get(at, 0), size)
+            return
+        at = 0 if length is EVERY else length
+        fails = self.fails.setdefault(key, {})
+        fails[at] = min(fails.get(at, size), size)
+        # What fitted at this length or longer with as many rows fitted before the optimizer state
+        # existed (or not at all): not any more.
+        fits = self.fits.get(key, {})
+        for seen in [l for l, s in fits.items() if l >= at and s >= size]:
+            del fits[seen]
+        if not fits:
+            self.fits.pop(key, None)
 
-    def known_to_fail(self, plan: Plan) -> bool:
-        failed = self.fails.get(config_of(plan))
+    def fit(self, plan: Plan, length=None) -> int | None:
+        """The largest size known to fit `plan`'s configuration at `length` (fitted at it or longer)."""
+        length = self.length if length is None else length
+        at = math.inf if length is EVERY else length
+        sizes = [s for l, s in self.fits.get(config_of(plan), {}).items() if l >= at]
+        return max(sizes) if sizes else None
+
+    def fail(self, plan: Plan, length=None) -> int | None:
+        """The smallest size known to fail `plan`'s configuration at `length` (failed at it or
+        shorter)."""
+        length = self.length if length is None else length
+        at = math.inf if length is EVERY else length
+        sizes = [s for l, s in self.fails.get(config_of(plan), {}).items() if l <= at]
+        return min(sizes) if sizes else None
+
+    def longest_fit(self, plan: Plan) -> tuple[float, int] | None:
+        """(length, size) proven at the longest length for `plan`'s configuration, or None."""
+        fits = self.fits.get(config_of(plan))
+        if not fits:
+            return None
+        longest = max(fits)
+        return longest, fits[longest]
+
+    def known_to_fail(self, plan: Plan, length=None) -> bool:
+        failed = self.fail(plan, length)
         return failed is not None and plan.micro_batch_size >= failed
 
-    def probe_up(self, plan: Plan, global_batch: int) -> Plan | None:
+    def probe_up(self, plan: Plan, global_batch: int, length=None) -> Plan | None:
         """The next larger micro-batch worth trying for this configuration, or None when settled."""
-        key = config_of(plan)
-        fit = self.fits.get(key)
+        fit = self.fit(plan, length)
         if fit is None or fit != plan.micro_batch_size:
             return None
-        ceiling = min(self.fails.get(key, global_batch + 1), global_batch + 1)
+        ceiling = min(self.fail(plan, length) or global_batch + 1, global_batch + 1)
         if ceiling - fit <= 1:
             return None
         size = (fit + ceiling) // 2 if ceiling <= global_batch else global_batch
         return plan.with_micro_batch(size, global_batch)
+
+    def to_json(self) -> dict:
+        """Plain JSON (lengths of every length as null), for agreeing across ranks and caching."""
+        def rows(table, every):
+            return [[list(key), [[None if l == every else l, s] for l, s in sorted(sizes.items())]]
+                    for key, sizes in table.items()]
+        return {"fits": rows(self.fits, math.inf), "fails": rows(self.fails, 0)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SizeLog":
+        def table(rows, every):
+            return {tuple(key): {every if l is None else l: s for l, s in sizes} for key, sizes in rows}
+        return cls(fits=table(data["fits"], math.inf), fails=table(data["fails"], 0))
 
 
 class Move:
@@ -146,7 +207,7 @@ class ShrinkMicroBatch(Move):
         if current <= self.floor:
             return None
         size = max(self.floor, current // 2)
-        fit = self.sizes.fits.get(config_of(plan))
+        fit = self.sizes.fit(plan)  # at the length of the batch being trained
         if fit is not None and size < fit < current:
             size = fit  # a size known to fit beats a blind halving
         global_batch = plan.global_batch

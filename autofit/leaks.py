@@ -38,7 +38,7 @@ import torch
 
 from .batches import _fields
 from .culprits import _key, _nbytes, graph_bytes, locate
-from .memory import by_kind, storage_bytes
+from .memory import by_kind, storage_bytes, storage_key
 from .sizes import format_size
 
 log = logging.getLogger("autofit.leaks")
@@ -235,7 +235,7 @@ class LeakWatch:
         """{key: weakref to storage} of what is on the device now (cheap on the simulated GPU)."""
         gpu = getattr(self.device, "gpu", None)
         if gpu is not None:
-            return {(s.data_ptr() or id(s)): weakref.ref(s) for s, _ in gpu.live_storages()}
+            return {storage_key(s): weakref.ref(s) for s, _ in gpu.live_storages()}
         tensors = self._live_objects()[0]
         out = {_key(t): weakref.ref(t.untyped_storage()) for t in tensors}
         del tensors

@@ -1,13 +1,16 @@
 """What a run remembers between runs: the plan that worked for this job on this device.
 
 A cached plan is the start of the next run of the same job, and the sizes it was proven against
-are loaded into the micro-batch search, so the second run makes no OOM attempt and no probe.
+are loaded into the micro-batch search, so the second run makes no OOM attempt and no probe. The
+cached plan is the one proven for the longest rows trained (variable-length data); the sizes proven
+for shorter rows come with it.
 A cache that cannot be read or written never stops training: it is reported and skipped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from .cache import PlanCache
@@ -32,6 +35,7 @@ class Memo:
             global_batch=global_batch, precision=precision, device_name=device.name,
             device_total=getattr(device, "total_bytes", None), budget=device.budget)
         self.cache = PlanCache()
+        self.global_batch = global_batch
         self.started = time.perf_counter()
 
     def recall(self, sizes: SizeLog) -> tuple[Plan, dict] | None:
@@ -46,24 +50,49 @@ class Memo:
             return None
         if plan is None:
             return None
-        # The cached plan is taken as settled: no upward probe, so a rerun makes no OOM attempt.
         config = config_of(plan)
-        sizes.fits[config] = plan.micro_batch_size
-        sizes.fails[config] = plan.micro_batch_size + 1
+        try:
+            known = SizeLog.from_json(entry["sizes"]) if "sizes" in entry else None
+        except (KeyError, TypeError, ValueError) as error:
+            log.warning("plan cache %s: the sizes of entry %s are unreadable (%s); using its plan only",
+                        self.cache.path, self.key[:12], error)
+            known = None
+        if known is None or not known.fits.get(config):  # an entry of an earlier autofit
+            known = SizeLog()
+            known.record(plan, True)
+        # The sizes proven for each row length are taken as settled: no upward probe at those
+        # lengths, so a rerun on the same data makes no OOM attempt.
+        for length, size in list(known.fits[config].items()):
+            known.record(plan.replace(micro_batch_size=size + 1), False,
+                         length=0 if length == math.inf else length)
+        sizes.fits, sizes.fails = known.fits, known.fails
         return plan, entry
 
     def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,
                  calibration: float | None = None) -> None:
+        """Cache the plan proven for the longest rows trained, with the sizes proven for each length."""
         if not self.enabled:
             return
+        longest = sizes.longest_fit(plan)
+        length = None
+        if longest is not None:
+            length, size = longest
+            plan = plan.with_micro_batch(size, self.global_batch)
         ok = [a.peak_bytes for a in attempts if a.outcome == "ok" and a.plan == plan]
         seconds = time.perf_counter() - self.started
+        config = config_of(plan)
+        mine = SizeLog(fits={config: dict(sizes.fits.get(config, {}))},
+                       fails={config: dict(sizes.fails.get(config, {}))})
         entry = {
             "plan": plan.to_dict(),
             "peak_bytes": max(ok) if ok else 0,
             "calibration": calibration,
             "throughput": samples / seconds if seconds > 0 and samples else None,
-            "smallest_failing_micro_batch": sizes.fails.get(config_of(plan)),
+            "smallest_failing_micro_batch": sizes.fail(plan, length=math.inf if length is None else length),
+            # Elements per row (batches.row_elements) of the longest batch the plan was proven on;
+            # None: for any length.
+            "proven_row_elements": None if length in (None, math.inf) else length,
+            "sizes": mine.to_json(),
         }
         try:
             self.cache.put(self.key, self.fields, entry)

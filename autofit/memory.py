@@ -10,6 +10,11 @@ from .sizes import format_size
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """One key per storage, for real and fake tensors alike (a fake tensor has no data pointer)."""
+    return storage._cdata
+
+
 def storage_bytes(tensors, seen: set | None = None, on_device=None) -> int:
     """Bytes of the distinct storages behind `tensors` (512-byte rounding); non-tensors and, with
     `on_device`, tensors it rejects are skipped; `seen` carries storages already counted."""
@@ -19,7 +24,7 @@ def storage_bytes(tensors, seen: set | None = None, on_device=None) -> int:
         if not isinstance(t, torch.Tensor) or (on_device is not None and not on_device(t)):
             continue
         storage = t.untyped_storage()
-        key = storage.data_ptr() or id(storage)  # fake tensors have no data pointer
+        key = storage_key(storage)
         if key in seen:
             continue
         seen.add(key)

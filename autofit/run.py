@@ -129,6 +129,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         was_training = model.training
         model.train()
         opt, own_optimizer = build_optimizer(optimizer, model)
+        device.place_optimizer(opt)  # a warm optimizer's state counts against the budget
         sched = scheduler(opt) if scheduler is not None else None
         sizes = SizeLog()
         if precision == "fp16" and device.type == "cpu":

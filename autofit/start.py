@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from .batches import batch_size
+from .batches import batch_size, row_elements
 from .capacity import choose, needs_message, rank
 from .errors import DoesNotFit
 from .ladder import config_of
@@ -63,10 +63,14 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
             plan=leanest.plan if leanest else None)
     # Sizes predicted over the whole budget bound the upward search; those predicted only inside
     # the margin stay open to a probe, since the estimate may be high (OOMs correct it).
+    # Both hold for rows as long as the estimated batch's (the longest of a list), and shorter.
+    length = row_elements(batch)
     for c in candidates:
         if c.estimate.peak_bytes > budget and config_of(c.plan) == config_of(chosen.plan) \
                 and c.plan.micro_batch_size > chosen.plan.micro_batch_size:
-            sizes.record(c.plan, ok=False)
+            sizes.record(c.plan, ok=False, length=length)
+    # The chosen size is what a batch this long gets back to after a probe on shorter ones.
+    sizes.record(chosen.plan, ok=True, length=length)
     reason = (f"estimated: fastest plan predicted to fit (peak {format_size(chosen.estimate.peak_bytes)} "
               f"of {format_size(budget)}, {len(candidates)} plan(s) estimated)")
     log.info("capacity check: %s", reason)

@@ -1,3 +1,5 @@
+import json
+import math
 import re
 
 import pytest
@@ -117,8 +119,12 @@ def test_sizelog_records_largest_fit_and_smallest_failure_per_configuration():
     log.record(P(32), False)
     log.record(P(64), False)
     log.record(P(16, precision="bf16"), True)
-    assert log.fits == {("fp32", False, False): 8, ("bf16", False, False): 16}
-    assert log.fails == {("fp32", False, False): 32}
+    assert (log.fit(P(1)), log.fail(P(1))) == (8, 32)
+    assert (log.fit(P(1, precision="bf16")), log.fail(P(1, precision="bf16"))) == (16, None)
+    assert log.fit(P(1, ckpt=True)) is None
+    # Without a length a fit holds at every length, a failure fails at every length.
+    assert log.fits == {("fp32", False, False): {math.inf: 8}, ("bf16", False, False): {math.inf: 16}}
+    assert log.fails == {("fp32", False, False): {0: 32}}
     assert config_of(P(2, 3, "bf16", ckpt=True, offload=True)) == ("bf16", True, True)
 
 
@@ -126,8 +132,8 @@ def test_sizelog_caps_sizes_at_the_global_batch():
     log = SizeLog()
     log.record(P(64), True, global_batch=10)
     log.record(P(64, precision="bf16"), False, global_batch=10)
-    assert log.fits == {("fp32", False, False): 10}
-    assert log.fails == {("bf16", False, False): 10}
+    assert log.fit(P(1)) == 10
+    assert log.fail(P(1, precision="bf16")) == 10
 
 
 def test_a_failure_at_or_below_a_fit_forgets_the_fit():
@@ -135,9 +141,71 @@ def test_a_failure_at_or_below_a_fit_forgets_the_fit():
     log = SizeLog()
     log.record(P(16), True)
     log.record(P(32), False)
-    assert log.fits == {("fp32", False, False): 16}
+    assert log.fit(P(1)) == 16
     log.record(P(16), False)
-    assert log.fits == {} and log.fails == {("fp32", False, False): 16}
+    assert log.fits == {} and log.fit(P(1)) is None and log.fail(P(1)) == 16
+
+
+# -- SizeLog: row lengths -------------------------------------------------------------------------
+
+def test_a_fit_holds_for_shorter_rows_and_a_failure_for_longer_ones():
+    log = SizeLog()
+    log.record(P(16), True, length=100)
+    log.record(P(8), True, length=400)
+    log.record(P(32), False, length=100)
+    log.record(P(12), False, length=400)
+    assert [log.fit(P(1), length=n) for n in (50, 100, 101, 400, 401)] == [16, 16, 8, 8, None]
+    assert [log.fail(P(1), length=n) for n in (50, 100, 399, 400, 1000)] == [None, 32, 32, 12, 12]
+    assert [log.known_to_fail(P(12), length=n) for n in (100, 400)] == [False, True]
+
+
+def test_the_length_being_trained_is_the_default_for_queries_and_records():
+    log = SizeLog()
+    log.length = 400
+    log.record(P(8), True)
+    log.record(P(16), False)
+    log.length = 100
+    log.record(P(16), True)
+    assert log.fits == {("fp32", False, False): {400: 8, 100: 16}}
+    assert log.fails == {("fp32", False, False): {400: 16}}
+    assert (log.fit(P(1)), log.fail(P(1))) == (16, None)
+    log.length = 400
+    assert (log.fit(P(1)), log.fail(P(1))) == (8, 16)
+
+
+def test_a_failure_forgets_only_the_fits_of_as_long_rows_and_as_many():
+    log = SizeLog()
+    log.record(P(16), True, length=100)
+    log.record(P(8), True, length=400)
+    log.record(P(8), False, length=200)   # 8 fails at 200: the fit at 400 was wrong, the 100 one stands
+    assert log.fits == {("fp32", False, False): {100: 16}}
+    assert log.longest_fit(P(1)) == (100, 16)
+    log.record(P(4), False, length=50)
+    assert log.fits == {} and log.longest_fit(P(1)) is None
+
+
+def test_probe_up_reads_the_sizes_of_the_length():
+    log = SizeLog()
+    log.record(P(8), True, length=400)
+    log.record(P(9), False, length=400)    # settled at 8 for long rows
+    log.record(P(8), True, length=100)
+    assert log.probe_up(P(8, 8), 64, length=400) is None
+    assert log.probe_up(P(8, 8), 64, length=100) == P(64, 1)   # nothing failed at 100 or shorter
+    log.record(P(64), False, length=100)
+    assert log.probe_up(P(8, 8), 64, length=100) == P(36, 2)
+
+
+def test_sizelog_survives_json():
+    log = SizeLog()
+    log.record(P(16), True, length=100)
+    log.record(P(8, precision="bf16"), True)
+    log.record(P(32), False, length=100)
+    log.record(P(64, ckpt=True), False)
+    data = json.loads(json.dumps(log.to_json()))
+    assert data == {"fits": [[["fp32", False, False], [[100, 16]]], [["bf16", False, False], [[None, 8]]]],
+                    "fails": [[["fp32", False, False], [[100, 32]]], [["fp32", True, False], [[None, 64]]]]}
+    back = SizeLog.from_json(data)
+    assert (back.fits, back.fails) == (log.fits, log.fails)
 
 
 def test_known_to_fail():

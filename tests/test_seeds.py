@@ -103,6 +103,33 @@ def test_an_optimizer_instance_that_holds_state_is_used_as_it_is(two_phase_budge
     assert max_diff(model, reference_model) <= 1e-6
 
 
+def warm_optimizer(model, batch):
+    """The user's own first step, outside autofit: AdamW's moments exist."""
+    optimizer = AdamW(model.parameters(), lr=1e-4)
+    model(**{k: v[:4] for k, v in batch.items()}).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def test_a_warm_optimizer_made_before_the_simulated_gpu_counts_against_its_budget():
+    data = cls_batches(3, rows=16, seq=48)
+    model = small()
+    optimizer = warm_optimizer(model, data[0])  # made on the host, before any simulated GPU
+    state = storage_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+    # The whole batch fits only if the state is not counted.
+    budget = second_step_peak(data[0], Plan(16)) - state // 2
+    outside = autofit.run(model, data[1:], optimizer=optimizer, budget=budget, **TWO_PHASE)
+    inside_model = small()
+    with autofit.simulate_gpu(budget):
+        inside = autofit.run(inside_model, data[1:], optimizer=warm_optimizer(inside_model, data[0]),
+                             **TWO_PHASE)
+    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in outside.attempts][:2] == [
+        (0, 16, "oom"), (0, 8, "ok")]
+    assert sequence(outside) == sequence(inside)
+    assert max_diff(model, inside_model) == 0.0
+
+
 # -- the SciBERT report: validation after training -------------------------------------------------
 
 class Rows(torch.utils.data.Dataset):

@@ -106,8 +106,10 @@ def test_with_the_capacity_check_a_list_is_planned_for_its_longest_batch(budget)
     result = autofit.run(model, batches, budget=budget, precision="fp32", progress=False, cache=False)
     first = result.attempts[0]
     assert first.reason.startswith("estimated: fastest plan predicted to fit")
-    assert first.outcome == "ok" and first.plan.micro_batch_size <= ROWS // 2  # sized for the long one
-    assert [a.outcome for a in result.attempts if a.step == 2][-1] == "ok"
+    # Sized for the long batch; the probe on a short batch finds 16, and the long batch goes back to
+    # the size estimated for it and probes from there: no OOM at all.
+    assert attempts_of(result) == [(0, 8, "ok"), (1, 16, "ok"), (2, 12, "ok"), (3, 16, "ok")]
+    assert result.attempts[2].reason == "probe a larger micro-batch (8 fits, searching upward)"
     check_trained_like_a_plain_loop(model, result, batches)
 
 
@@ -128,3 +130,68 @@ def test_longest_batch_of_data_it_cannot_look_ahead_in_is_the_first():
     first = next(iter(loader))
     assert longest_batch(loader, first) is first
     assert longest_batch("not batches", batches[0]) is batches[0]
+
+
+# -- the plan remembers the row length it was proven for ----------------------------------------------
+
+def attempts_of(result):
+    return [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
+
+
+def test_each_length_gets_back_the_micro_batch_proven_for_it(budget):
+    """After a long batch forced 8, short batches go back to 16; a later long batch starts from 8
+    (and probes up from there) instead of trying the short batches' 16 again."""
+    short = cls_batches(3, rows=ROWS, seq=SHORT, seed=1)
+    longs = cls_batches(2, rows=ROWS, seq=LONG, seed=2)
+    batches = [short[0], longs[0], short[1], short[2], longs[1]]
+    model = small()
+    result = autofit.run(model, (b for b in batches), budget=budget, precision="fp32", progress=False,
+                         cache=False, capacity_check=False)
+    assert attempts_of(result) == [(0, 16, "ok"), (1, 16, "oom"), (1, 8, "ok"), (2, 16, "ok"),
+                                   (3, 16, "ok"), (4, 12, "ok")]
+    assert result.attempts[3].reason == f"the micro-batch proven for rows this long ({SHORT + 1} elements per row)"
+    assert result.attempts[5].reason == "probe a larger micro-batch (8 fits, searching upward)"
+    assert [h["plan"].micro_batch_size for h in result.history] == [16, 8, 16, 16, 12]
+
+
+def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_longest(budget):
+    short = cls_batches(2, rows=ROWS, seq=SHORT, seed=1)
+    [middle] = cls_batches(1, rows=ROWS, seq=LONG // 2, seed=3)
+    [long] = cls_batches(1, rows=ROWS, seq=LONG, seed=2)
+    sizes = autofit.ladder.SizeLog()
+    from autofit.controller import Controller
+    from autofit.device import open_device
+    from autofit.step import StepRunner
+    model = small()
+    with open_device(budget) as device:
+        device.place_model(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+        sizes.record(Plan(16), True, length=SHORT + 1)      # proven for short rows
+        sizes.record(Plan(6), True, length=LONG // 2 + 1)   # and for the middle length
+        controller = Controller(runner, autofit.ladder.default_ladder(sizes, "fp32"), Plan(16),
+                                sizes=sizes, probe_up=False)
+        controller.train(short[0], 0)
+        controller.train(long, 1)      # longer than anything proven: the longest proof's size, 6
+        controller.train(middle, 2)
+        controller.train(short[1], 3)
+        runner.close()
+    assert attempts_of(controller) == [(0, 16, "ok"), (1, 6, "ok"), (2, 6, "ok"), (3, 16, "ok")]
+    assert controller.attempts[1].reason == (
+        f"rows of {LONG + 1} elements, longer than any trained so far: the micro-batch proven for the "
+        f"longest ({LONG // 2 + 1})")
+
+
+def test_the_cache_keeps_the_plan_of_the_longest_rows_and_the_sizes_of_each_length(budget):
+    from autofit.batches import row_elements
+    from autofit.cache import PlanCache
+    batches = data() + cls_batches(1, rows=ROWS, seq=SHORT, seed=4)   # ends on a short batch
+    first = autofit.run(small(), batches, budget=budget, precision="fp32", progress=False)
+    assert [h["plan"].micro_batch_size for h in first.history] == [8, 16, 12, 16, 16]
+    [row] = PlanCache().entries()
+    entry = row["entry"]
+    assert entry["plan"] == Plan(12, 2).to_dict()          # proven on the long batch, not the last one
+    assert entry["proven_row_elements"] == row_elements(batches[2]) == LONG + 1
+    assert entry["sizes"]["fits"] == [[["fp32", False, False], [[SHORT + 1, 16], [LONG + 1, 12]]]]
+    again = autofit.run(small(), batches, budget=budget, precision="fp32", progress=False)
+    assert attempts_of(again) == [(0, 16, "ok"), (1, 16, "ok"), (2, 12, "ok"), (3, 16, "ok"), (4, 16, "ok")]
+    assert again.attempts[0].reason == f"the micro-batch proven for rows this long ({SHORT + 1} elements per row)"
