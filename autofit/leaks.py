@@ -400,16 +400,3 @@ def _fix(kind: str, tensors) -> str:
         return FIX_OUTPUT if tensors else FIX_NODE
     return {"tensor-kept": FIX_TENSOR, "previous-optimizer": FIX_OPTIMIZER,
             "memory-growth": FIX_GROWTH, "batch-on-device": FIX_BATCH}[kind]
-
-
-def host_batches(batches, device):
-    """Iterate `batches` with each one fetched in host memory (`device.host()`): on the simulated
-    GPU a DataLoader's collate is then the host work it is on a real card, not device memory."""
-    iterator = iter(batches)
-    while True:
-        with device.host():
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-        yield batch
