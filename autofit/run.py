@@ -170,18 +170,17 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         result = RunResult(plan=start, device=device.describe(), budget=device.budget)
         watch = LeakWatch(runner)  # batches handed over on the device; memory kept across steps
         watch.check_batch(first, data)
-        evaluation = None
-        if eval_data is not None:
-            sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
+        sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
 
-            def evaluation(epoch):
-                done = evaluate(model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn, device=device,
-                                sizer=sizer, expect_like=first, progress=progress,
-                                start_batch_size=EVAL_START_FACTOR * controller.plan.micro_batch_size)
-                result.eval_attempts.extend(done.attempts)
-                result.eval_history.append(done.record(epoch))
+        def evaluation(epoch):
+            done = evaluate(model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn, device=device,
+                            sizer=sizer, expect_like=first, progress=progress,
+                            start_batch_size=EVAL_START_FACTOR * controller.plan.micro_batch_size)
+            result.eval_attempts.extend(done.attempts)
+            result.eval_history.append(done.record(epoch))
         try:
-            _train(controller, epoch_batches, epochs, result, progress, evaluation, shard, watch)
+            _train(controller, epoch_batches, epochs, result, progress,
+                   evaluation if eval_data is not None else None, shard, watch)
             if lockstep is not None:
                 lockstep.finish()  # every rank got to the end, at the same step
             memo.remember(controller.plan, sizes, controller.attempts,
@@ -198,10 +197,10 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                 model.eval()
             result.attempts = controller.attempts
             result.plan = controller.plan
-            del controller, runner, sched, watch
             if own_optimizer:
                 opt.state.clear()
-            del opt
+            # Drop this frame's references (closures share the cells) so gc can free them now.
+            controller = runner = sched = watch = opt = None
             gc.collect()
             device.empty_cache()
     return result
