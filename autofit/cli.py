@@ -10,36 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 import traceback
 
-from .sizes import format_size, parse_size
-
-EXIT_OK = 0
-EXIT_DOES_NOT_FIT = 1
-EXIT_USAGE = 2
-EXIT_INTERNAL = 3
-EXIT_INTERRUPTED = 130
-
-DEFAULT_CONTEXT_RESERVE = 2**30 * 2 // 5  # 0.4 GiB
-CONTEXT_RESERVE_REASON = (
-    "the CUDA context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB outside any allocator "
-    "budget; without CUDA here it cannot be measured, so 0.4 GiB is assumed")
-
-DEMO_MODEL = "tiny-bert"
-DEMO_BUDGET = "8MiB"
-DEMO_BATCH, DEMO_SEQ, DEMO_STEPS = 64, 64, 4
-
-VERIFY_STEPS = 3
-MARGIN = 0.9  # plans must fit this share of the budget: CUDA's allocator fragments (DESIGN: 3-40%)
+from .commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
+from .commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
+from .commands.demo import DEMO_BATCH, DEMO_BUDGET, DEMO_STEPS, cmd_demo
+from .commands.probe import VERIFY_STEPS, cmd_probe
 
 log = logging.getLogger("autofit")
-
-
-class UsageError(Exception):
-    """Bad usage: printed as one "autofit: error:" line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,7 +126,7 @@ def main(argv=None) -> int:
             print("autofit: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
         except Exception as e:
-            return _fail(f"unexpected {_one_line(e)}" + ("" if debug else "; rerun with --debug for "
+            return _fail(f"unexpected {one_line(e)}" + ("" if debug else "; rerun with --debug for "
                                                          "the traceback"), EXIT_INTERNAL, debug)
 
 
@@ -160,11 +140,6 @@ def _fail(error, code: int, debug: bool) -> int:
         traceback.print_exc()
     print(f"autofit: error: {error}", file=sys.stderr)
     return code
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 class _LowerLevel(logging.Formatter):
@@ -184,283 +159,6 @@ def _log_to_stderr():
         yield
     finally:
         log.removeHandler(handler)
-
-
-def _size(option: str, text: str, allow_zero: bool = False) -> int:
-    if allow_zero and text.strip() in ("0", "0B", "0b"):
-        return 0
-    try:
-        return parse_size(text)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{option} {text!r}: {e}") from None
-
-
-def _positive(option: str, value: int) -> int:
-    if value < 1:
-        raise UsageError(f"{option} must be a positive integer but got {value}.")
-    return value
-
-
-def _out(text: str = "") -> None:
-    print(text, file=sys.stdout)
-
-
-# -- probe ----------------------------------------------------------------------------------------
-
-def context_reserve(override: str | None) -> tuple[int, str]:
-    """(bytes the CUDA context takes, where the number comes from)."""
-    if override is not None:
-        return _size("--context-reserve", override, allow_zero=True), "given"
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.init()
-        free, total = torch.cuda.mem_get_info()
-        return total - free, "measured: total - free after CUDA initialised, nothing allocated"
-    return DEFAULT_CONTEXT_RESERVE, "assumed: no CUDA here to measure it"
-
-
-def _plan_row(candidate, chosen) -> dict:
-    plan = candidate.plan
-    return {**plan.to_dict(), "peak_bytes": int(candidate.estimate.peak_bytes),
-            "fits": bool(candidate.fits), "cost": candidate.cost, "chosen": candidate is chosen}
-
-
-def cmd_probe(args) -> int:
-    gpu_mem = _size("--gpu-mem", args.gpu_mem)
-    _positive("--batch-size", args.batch_size)
-    _positive("--seq-len", args.seq_len)
-    import torch
-    if args.verify and not torch.cuda.is_available():
-        raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
-                         "drop --verify to get the prediction alone.")
-    reserve, reserve_source = context_reserve(args.context_reserve)
-    from . import models
-    model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
-    spec = args.model or models.DEFAULT
-    budget = gpu_mem - reserve
-    header = {"model": spec, "model_class": type(model).__name__,
-              "parameters": sum(p.numel() for p in model.parameters()),
-              "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision,
-              "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
-              "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
-              "margin": MARGIN, "usable_bytes": max(int(budget * MARGIN), 0)}
-    if budget <= 0:
-        reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
-                  f"({format_size(reserve)}); nothing is left for tensors.")
-        result = {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                  "table": [], "breakdown": None, "reason": reason}
-        return _probe_report(args, result, None)
-
-    from . import capacity
-    try:
-        with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
-            candidates = capacity.rank(model, batch, budget, precision=args.precision, margin=MARGIN,
-                                       device_type="cuda")
-    except Exception as e:  # the model cannot take its batch (or the estimator cannot follow it)
-        raise UsageError(f"estimating a training step of {spec} on its sample batch "
-                         f"({models.describe(model, batch)}) failed: {_one_line(e)}") from e
-    chosen = capacity.choose(candidates)
-    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak_bytes,
-                                                  default=None)
-    reason = None if chosen is not None else capacity.needs_message(candidates, budget, margin=MARGIN)
-    result = {**header, "fits": chosen is not None,
-              "plan": None if chosen is None else chosen.plan.to_dict(),
-              "predicted_peak_bytes": None if shown is None else int(shown.estimate.peak_bytes),
-              "table": [_plan_row(c, chosen) for c in candidates],
-              "breakdown": None if shown is None else {k: int(v) for k, v in
-                                                      shown.estimate.breakdown.items()},
-              "reason": reason}
-    code = _probe_report(args, result, shown)
-    if code == EXIT_OK and args.verify:
-        code = _verify(args, budget, chosen)
-    return code
-
-
-def _probe_report(args, result: dict, shown) -> int:
-    code = EXIT_OK if result["fits"] else EXIT_DOES_NOT_FIT
-    if args.json:
-        _out(json.dumps(result, indent=2))
-        if result["reason"]:
-            print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
-        return code
-    from .memory import format_breakdown
-    from .report import key_values, table
-    _out(key_values([
-        ("model", f"{result['model']} ({result['model_class']}, "
-                  f"{result['parameters'] / 1e6:.2f}M parameters)"),
-        ("global batch", f"{result['batch_size']} x {result['seq_len']} tokens"),
-        ("gpu memory", format_size(result["gpu_mem_bytes"])),
-        ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
-                            f"({result['context_reserve_source']})"),
-        ("budget", f"{format_size(result['budget_bytes'])} for tensors; a plan fits in "
-                   f"{result['margin']:.0%} of it ({format_size(result['usable_bytes'])}), the rest "
-                   f"is left to allocator fragmentation"),
-    ]))
-    if result["table"]:
-        _out()
-        _out("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
-             "whole batch):")
-        rows = [["*" if r["chosen"] else "", r["micro_batch_size"], r["accumulation_steps"],
-                 r["precision"], r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
-                 format_size(r["peak_bytes"]), r["fits"]] for r in result["table"]]
-        _out(table(["", "micro", "accum", "precision", "checkpointing", "offload", "time",
-                    "predicted peak", "fits"], rows, align="lrrlllrrl"))
-    _out()
-    if shown is not None and result["fits"]:
-        _out(f"chosen plan: {shown.plan.describe()}")
-        _out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
-    else:
-        _out("no plan fits")
-        if shown is not None:
-            _out(f"smallest plan: {shown.plan.describe()}")
-            _out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
-        print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
-    return code
-
-
-def _verify(args, budget: int, chosen) -> int:
-    """Train a few real steps on CUDA under the budget; compare the measured peak with the prediction."""
-    from . import models, run
-    from .errors import DoesNotFit
-    model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
-                               device="cpu")
-    _out()
-    _out(f"verifying: {VERIFY_STEPS} real steps on CUDA under a {format_size(budget)} budget")
-    try:
-        with models.quiet_transformers():
-            result = run(model, [batch] * VERIFY_STEPS, budget=budget, precision=args.precision,
-                         progress=False, cache=False)
-    except DoesNotFit as e:
-        _attempts_table(e.attempts)
-        print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
-    _attempts_table(result.attempts)
-    peak = max((a.peak_bytes for a in result.attempts if a.outcome == "ok"), default=0)
-    _out(f"verified plan: {result.plan.describe()}, measured peak {format_size(peak)} "
-         f"(predicted {format_size(chosen.estimate.peak_bytes)} for {chosen.plan.describe()})")
-    return EXIT_OK
-
-
-def _attempts_table(attempts) -> None:
-    from .report import table
-    rows = [[a.step, a.plan.describe(), a.outcome, format_size(a.peak_bytes) if a.peak_bytes else None,
-             a.reason] for a in attempts]
-    _out(table(["step", "plan", "outcome", "peak", "reason"], rows, align="rllrl"))
-
-
-# -- demo -----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _one_thread():
-    """A tiny model's ops are too small for intra-op threads; on a busy machine OpenMP's spinning
-    threads made the demo ~8x slower. Restored afterwards (main() runs inside tests too)."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def cmd_demo(args) -> int:
-    budget = _size("--budget", args.budget)
-    steps = _positive("--steps", args.steps)
-    import torch
-
-    from . import models, run, simulate_gpu
-    from .errors import DoesNotFit
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, batch = models.load(DEMO_MODEL, batch_size=DEMO_BATCH, seq_len=DEMO_SEQ, device="cpu")
-    n_params = sum(p.numel() for p in model.parameters())
-    _out(f"model: {DEMO_MODEL} ({type(model).__name__}, {n_params / 1e6:.2f}M parameters, random "
-         f"weights), global batch {DEMO_BATCH} x {DEMO_SEQ} tokens, {steps} step(s)")
-    _out(f"simulated GPU: {format_size(budget)} (CPU tensors counted as a CUDA allocator would; going "
-         f"over raises torch.OutOfMemoryError)")
-    _out("capacity check off: every plan below is found by running out of memory and stepping down")
-    _out()
-    with _one_thread():
-        try:
-            with simulate_gpu(budget), models.quiet_transformers():
-                # The capacity check would start at a fitting plan; the demo shows the retry ladder.
-                result = run(model, [batch] * steps, progress=False, cache=False, capacity_check=False)
-        except DoesNotFit as e:
-            _attempts_table(e.attempts)
-            _out()
-            print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
-            if e.breakdown:
-                from .memory import format_breakdown
-                print(f"autofit: memory at the last failure: {format_breakdown(e.breakdown, budget)}",
-                      file=sys.stderr)
-            return EXIT_DOES_NOT_FIT
-    _attempts_table(result.attempts)
-    _out()
-    ooms = result.oom_attempts
-    losses = [h["loss"] for h in result.history]
-    _out(f"final plan: {result.plan.describe()} (global batch {DEMO_BATCH} unchanged)")
-    _out(f"{ooms} out-of-memory attempt(s) caught and replayed; {len(losses)} step(s) trained, loss "
-         f"{losses[0]:.4f} -> {losses[-1]:.4f}")
-    return EXIT_OK
-
-
-# -- cache ----------------------------------------------------------------------------------------
-
-def _cache():
-    from .cache import PlanCache
-    return PlanCache()
-
-
-def _short_class(fields: dict) -> str:
-    model = fields.get("model")
-    name = model.get("class") if isinstance(model, dict) else None
-    return name.rsplit(".", 1)[-1] if isinstance(name, str) else None
-
-
-def _device_name(fields: dict) -> str | None:
-    device = fields.get("device")
-    return device.get("name") if isinstance(device, dict) else None
-
-
-def cmd_cache_list(args) -> int:
-    from .plan import Plan
-    from .report import table
-    cache = _cache()
-    entries = cache.entries()
-    _out(f"plan cache: {cache.path}")
-    if not entries:
-        _out("no cached plans")
-        return EXIT_OK
-    rows = []
-    for e in entries:
-        fields, entry = e["fields"], e["entry"]
-        rows.append([e["key"][:12], _short_class(fields), fields.get("global_batch"), _device_name(fields),
-                     Plan.from_dict(entry["plan"]).describe(), format_size(entry["peak_bytes"]),
-                     entry["when"][:19].replace("T", " ")])
-    _out(table(["key", "model", "global batch", "device", "plan", "peak", "when (UTC)"], rows))
-    return EXIT_OK
-
-
-def cmd_cache_show(args) -> int:
-    cache = _cache()
-    matches = [e for e in cache.entries() if e["key"].startswith(args.key)]
-    if not matches:
-        print(f"autofit: error: no cached plan has a key starting with {args.key!r} in {cache.path}; "
-              f"`autofit cache list` shows the keys.", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
-    exact = [e for e in matches if e["key"] == args.key]
-    if len(matches) > 1 and not exact:
-        raise UsageError(f"{len(matches)} cached plans have a key starting with {args.key!r}; give "
-                         f"more of the key.")
-    _out(json.dumps((exact or matches)[0], indent=2, sort_keys=True))
-    return EXIT_OK
-
-
-def cmd_cache_clear(args) -> int:
-    cache = _cache()
-    removed = cache.clear()
-    _out(f"removed {removed} cached plan(s) from {cache.path}")
-    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autofit import cli
+from autofit.commands import probe
 from autofit.cache import PlanCache
 from autofit.cli import main
 from autofit.plan import Plan
@@ -161,7 +162,7 @@ def test_probe_json_fits(capsys):
     assert err == ""
     assert list(got) == JSON_FIELDS
     assert got["gpu_mem_bytes"] == 2**30
-    assert got["context_reserve_bytes"] == cli.DEFAULT_CONTEXT_RESERVE == 429496729
+    assert got["context_reserve_bytes"] == probe.DEFAULT_CONTEXT_RESERVE == 429496729
     assert got["context_reserve_source"] == "assumed: no CUDA here to measure it"
     assert got["budget_bytes"] == 2**30 - 429496729
     assert (got["margin"], got["usable_bytes"]) == (0.9, int((2**30 - 429496729) * 0.9))

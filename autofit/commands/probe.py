@@ -1,0 +1,149 @@
+"""`autofit probe`: which plans fit a card of a given size, predicted on fake tensors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..sizes import format_size
+from . import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, one_line, out, positive_arg, size_arg
+
+# Without CUDA to measure it: the context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB
+# outside any allocator budget.
+DEFAULT_CONTEXT_RESERVE = 2**30 * 2 // 5  # 0.4 GiB
+VERIFY_STEPS = 3
+MARGIN = 0.9  # plans must fit this share of the budget: CUDA's allocator fragments (DESIGN: 3-40%)
+
+
+def context_reserve(override: str | None) -> tuple[int, str]:
+    """(bytes the CUDA context takes, where the number comes from)."""
+    if override is not None:
+        return size_arg("--context-reserve", override, allow_zero=True), "given"
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info()
+        return total - free, "measured: total - free after CUDA initialised, nothing allocated"
+    return DEFAULT_CONTEXT_RESERVE, "assumed: no CUDA here to measure it"
+
+
+def _plan_row(candidate, chosen) -> dict:
+    plan = candidate.plan
+    return {**plan.to_dict(), "peak_bytes": int(candidate.estimate.peak_bytes),
+            "fits": bool(candidate.fits), "cost": candidate.cost, "chosen": candidate is chosen}
+
+
+def cmd_probe(args) -> int:
+    gpu_mem = size_arg("--gpu-mem", args.gpu_mem)
+    positive_arg("--batch-size", args.batch_size)
+    positive_arg("--seq-len", args.seq_len)
+    import torch
+    if args.verify and not torch.cuda.is_available():
+        raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
+                         "drop --verify to get the prediction alone.")
+    reserve, reserve_source = context_reserve(args.context_reserve)
+    from .. import models
+    model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
+    spec = args.model or models.DEFAULT
+    budget = gpu_mem - reserve
+    header = {"model": spec, "model_class": type(model).__name__,
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision,
+              "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
+              "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
+              "margin": MARGIN, "usable_bytes": max(int(budget * MARGIN), 0)}
+    if budget <= 0:
+        reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
+                  f"({format_size(reserve)}); nothing is left for tensors.")
+        result = {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
+                  "table": [], "breakdown": None, "reason": reason}
+        return _probe_report(args, result, None)
+
+    from .. import capacity
+    try:
+        with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
+            candidates = capacity.rank(model, batch, budget, precision=args.precision, margin=MARGIN,
+                                       device_type="cuda")
+    except Exception as e:  # the model cannot take its batch (or the estimator cannot follow it)
+        raise UsageError(f"estimating a training step of {spec} on its sample batch "
+                         f"({models.describe(model, batch)}) failed: {one_line(e)}") from e
+    chosen = capacity.choose(candidates)
+    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak_bytes,
+                                                  default=None)
+    reason = None if chosen is not None else capacity.needs_message(candidates, budget, margin=MARGIN)
+    result = {**header, "fits": chosen is not None,
+              "plan": None if chosen is None else chosen.plan.to_dict(),
+              "predicted_peak_bytes": None if shown is None else int(shown.estimate.peak_bytes),
+              "table": [_plan_row(c, chosen) for c in candidates],
+              "breakdown": None if shown is None else {k: int(v) for k, v in
+                                                      shown.estimate.breakdown.items()},
+              "reason": reason}
+    code = _probe_report(args, result, shown)
+    if code == EXIT_OK and args.verify:
+        code = _verify(args, budget, chosen)
+    return code
+
+
+def _probe_report(args, result: dict, shown) -> int:
+    code = EXIT_OK if result["fits"] else EXIT_DOES_NOT_FIT
+    if args.json:
+        out(json.dumps(result, indent=2))
+        if result["reason"]:
+            print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
+        return code
+    from ..memory import format_breakdown
+    from ..report import key_values, table
+    out(key_values([
+        ("model", f"{result['model']} ({result['model_class']}, "
+                  f"{result['parameters'] / 1e6:.2f}M parameters)"),
+        ("global batch", f"{result['batch_size']} x {result['seq_len']} tokens"),
+        ("gpu memory", format_size(result["gpu_mem_bytes"])),
+        ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
+                            f"({result['context_reserve_source']})"),
+        ("budget", f"{format_size(result['budget_bytes'])} for tensors; a plan fits in "
+                   f"{result['margin']:.0%} of it ({format_size(result['usable_bytes'])}), the rest "
+                   f"is left to allocator fragmentation"),
+    ]))
+    if result["table"]:
+        out()
+        out("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
+             "whole batch):")
+        rows = [["*" if r["chosen"] else "", r["micro_batch_size"], r["accumulation_steps"],
+                 r["precision"], r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
+                 format_size(r["peak_bytes"]), r["fits"]] for r in result["table"]]
+        out(table(["", "micro", "accum", "precision", "checkpointing", "offload", "time",
+                    "predicted peak", "fits"], rows, align="lrrlllrrl"))
+    out()
+    if shown is not None and result["fits"]:
+        out(f"chosen plan: {shown.plan.describe()}")
+        out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
+    else:
+        out("no plan fits")
+        if shown is not None:
+            out(f"smallest plan: {shown.plan.describe()}")
+            out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
+        print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
+    return code
+
+
+def _verify(args, budget: int, chosen) -> int:
+    """Train a few real steps on CUDA under the budget; compare the measured peak with the prediction."""
+    from .. import models, run
+    from ..errors import DoesNotFit
+    model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
+                               device="cpu")
+    out()
+    out(f"verifying: {VERIFY_STEPS} real steps on CUDA under a {format_size(budget)} budget")
+    try:
+        with models.quiet_transformers():
+            result = run(model, [batch] * VERIFY_STEPS, budget=budget, precision=args.precision,
+                         progress=False, cache=False)
+    except DoesNotFit as e:
+        attempts_table(e.attempts)
+        print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    attempts_table(result.attempts)
+    peak = max((a.peak_bytes for a in result.attempts if a.outcome == "ok"), default=0)
+    out(f"verified plan: {result.plan.describe()}, measured peak {format_size(peak)} "
+         f"(predicted {format_size(chosen.estimate.peak_bytes)} for {chosen.plan.describe()})")
+    return EXIT_OK
