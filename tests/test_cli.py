@@ -447,26 +447,28 @@ FIELDS = {"model": {"class": "transformers.models.bert.modeling_bert.BertForSequ
           "global_batch": 32, "device": {"name": "NVIDIA GeForce GTX 1050", "total": 2 * 2**30}}
 
 
-def put(key, micro, fields=FIELDS):
+def put(key, micro, fields=FIELDS, **more):
     plan = Plan.for_batch(32, micro, precision="bf16", checkpointing=micro < 8)
     PlanCache().put(key, fields, {"plan": plan.to_dict(), "peak_bytes": 1536 * 2**20,
-                                  "calibration": 1.05, "throughput": None})
+                                  "calibration": 1.05, "throughput": None, **more})
 
 
 def test_cache_list_show_clear(capsys, tmp_path):
     path = tmp_path / "cache" / "plans.sqlite"
     assert main(["cache", "list"]) == 0
     assert capsys.readouterr().out == f"plan cache: {path}\nno cached plans\n"
-    put("a1b2c3d4e5f6a7b8c9", 8)
+    put("a1b2c3d4e5f6a7b8c9", 8, proven_row_elements=385)
     put("ffee0011", 4, fields={"global_batch": 16})
     assert main(["cache", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"plan cache: {path}"
-    assert lines[1].split() == ["key", "model", "global", "batch", "device", "plan", "peak", "when", "(UTC)"]
+    assert lines[1].split() == ["key", "model", "global", "batch", "device", "plan", "peak", "row", "elements",
+                                "when", "(UTC)"]
     assert lines[3].split()[:10] == ["ffee0011", "-", "16", "-", "micro", "4", "x", "8,", "bf16,", "checkpointing"]
+    assert lines[3].split()[10:13] == ["1.50", "GiB", "any"]
     assert lines[4].split()[:11] == ["a1b2c3d4e5f6", "BertForSequenceClassification", "32", "NVIDIA",
                                      "GeForce", "GTX", "1050", "micro", "8", "x", "4,"]
-    assert lines[4].split()[12:14] == ["1.50", "GiB"]
+    assert lines[4].split()[12:15] == ["1.50", "GiB", "385"]
     assert len(lines) == 5
 
     assert main(["cache", "show", "a1b2"]) == 0

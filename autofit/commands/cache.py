@@ -37,10 +37,12 @@ def cmd_cache_list(args) -> int:
     rows = []
     for e in entries:
         fields, entry = e["fields"], e["entry"]
+        proven = entry.get("proven_row_elements")  # the longest rows the plan was proven on
         rows.append([e["key"][:12], _short_class(fields), fields.get("global_batch"), _device_name(fields),
                      Plan.from_dict(entry["plan"]).describe(), format_size(entry["peak_bytes"]),
-                     entry["when"][:19].replace("T", " ")])
-    out(table(["key", "model", "global batch", "device", "plan", "peak", "when (UTC)"], rows))
+                     "any" if proven is None else proven, entry["when"][:19].replace("T", " ")])
+    out(table(["key", "model", "global batch", "device", "plan", "peak", "row elements", "when (UTC)"],
+              rows))
     return EXIT_OK
 
 
