@@ -155,7 +155,8 @@ def _changes(old, new) -> tuple[list[str], set]:
 
 def _next_attempt(attempts, i):
     a = attempts[i]
-    if i + 1 < len(attempts) and attempts[i + 1].step == a.step:
+    # A Trainer attempt (autofit.integrations.transformers) resumes at a later global step.
+    if i + 1 < len(attempts) and (attempts[i + 1].step == a.step or a.where == "trainer.train"):
         return attempts[i + 1]
     return None
 
