@@ -9,6 +9,7 @@ from .plan import Plan
 from .run import RunResult, run
 from .simulate import simulate_gpu
 from .sizes import parse_size
+from .tuning import TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -21,10 +22,12 @@ __all__ = [
     "MemoryNotReleased",
     "Plan",
     "RunResult",
+    "TuneResult",
     "estimate",
     "evaluate",
     "explain",
     "parse_size",
     "run",
     "simulate_gpu",
+    "tune",
 ]

@@ -2,9 +2,11 @@
 
 Caches are data, never code: rows are JSON and are checked before use. A file that is not
 SQLite, or SQLite without our application id / schema version, is reported, moved aside to
-`<name>.corrupt-<timestamp>` and ignored. Each call opens its own short-lived connection, so a
-`PlanCache` is safe to share between threads, and several processes may write at once (WAL,
-`BEGIN IMMEDIATE` transactions, a busy timeout, upserts).
+`<name>.corrupt-<timestamp>` and ignored. One exception: a file holding only optuna's tables
+(`autofit.tune` keeps its optuna study in this file, and optuna may have made it first) gets our
+table and marks added, and optuna's tables are never touched. Each call opens its own short-lived
+connection, so a `PlanCache` is safe to share between threads, and several processes may write at
+once (WAL, `BEGIN IMMEDIATE` transactions, a busy timeout, upserts).
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ CREATE TABLE plans (
 )
 """
 _COLUMNS = ["key", "fields", "entry", "written"]
+# Tables optuna's RDB storage makes (optuna 3.x-5.x, `optuna.storages._rdb.models` plus alembic's).
+# `autofit.tune` keeps its study in the plan cache file, and when optuna made the file first it has
+# these tables and no marks of ours: such a file is shared, not foreign.
+OPTUNA_TABLES = frozenset({
+    "alembic_version", "studies", "study_directions", "study_system_attributes",
+    "study_user_attributes", "trial_heartbeats", "trial_intermediate_values", "trial_params",
+    "trial_system_attributes", "trial_user_attributes", "trial_values", "trials", "version_info",
+})
 _ENTRY_NUMBERS = ("calibration", "throughput")
 
 
@@ -171,8 +181,8 @@ class PlanCache:
         return None
 
     def _prepare(self, conn: sqlite3.Connection, create: bool) -> bool:
-        """Check the file is ours (raise _Unusable if not); make the schema when it is empty and
-        `create`. True when the connection is ready for use."""
+        """Check the file is ours (raise _Unusable if not); make the schema when it has none yet
+        (empty, or only optuna's tables) and `create`. True when the connection is ready for use."""
         if self._read_state(conn) == "empty":
             if not create:
                 return False
@@ -202,11 +212,11 @@ class PlanCache:
 
     @staticmethod
     def _state(conn: sqlite3.Connection) -> str:
-        """"ok" (our schema), "empty" (no tables, no marks) or raise _Unusable."""
+        """"ok" (our schema), "empty" (no marks, and no tables or only optuna's) or raise _Unusable."""
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        if app_id == 0 and version == 0 and not tables:
+        if app_id == 0 and version == 0 and _only_optuna(tables):
             return "empty"
         if app_id != APPLICATION_ID:
             raise _Unusable(f"it is an SQLite file of something else (application_id {app_id}, "
@@ -322,6 +332,12 @@ class PlanCache:
 
     # --- writing -------------------------------------------------------------------------------
 
+    def ensure(self) -> bool:
+        """Make the file (our table and marks) if it does not exist yet, so another tool can share
+        it: `autofit.tune` opens its optuna study here (`sqlite:///<path>`). True when the file is
+        a usable cache afterwards."""
+        return self._run(True, lambda conn: True, False)
+
     def put(self, key: str, fields: dict, entry: dict) -> None:
         """Store (or replace) the entry for `key`; "when" is set to now (UTC)."""
         _check_key(key)
@@ -354,6 +370,13 @@ class PlanCache:
                 return conn.execute("DELETE FROM plans").rowcount
 
         return self._run(False, action, 0)
+
+
+def _only_optuna(tables: list[str]) -> bool:
+    """No table, or only optuna's (SQLite's own `sqlite_*` tables aside): a file we may add our
+    schema to. Any optuna table counts, so a file optuna is still making is not taken as foreign."""
+    names = {t for t in tables if not t.startswith("sqlite_")}
+    return "plans" not in names and names <= OPTUNA_TABLES
 
 
 def _ensure_wal(conn: sqlite3.Connection) -> None:

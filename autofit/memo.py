@@ -69,7 +69,7 @@ class Memo:
         return plan, entry
 
     def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,
-                 calibration: float | None = None) -> None:
+                 calibration: float | None = None, throughput: float | None = None) -> None:
         """Cache the plan proven for the longest rows trained, with the sizes proven for each length."""
         if not self.enabled:
             return
@@ -87,7 +87,9 @@ class Memo:
             "plan": plan.to_dict(),
             "peak_bytes": max(ok) if ok else 0,
             "calibration": calibration,
-            "throughput": samples / seconds if seconds > 0 and samples else None,
+            # samples/s: measured by the caller (autofit.tune), else over this run
+            "throughput": throughput if throughput is not None else (
+                samples / seconds if seconds > 0 and samples else None),
             "smallest_failing_micro_batch": sizes.fail(plan, length=math.inf if length is None else length),
             # Elements per row (batches.row_elements) of the longest batch the plan was proven on;
             # None: for any length.

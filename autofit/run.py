@@ -38,6 +38,7 @@ class RunResult:
     budget: int | None = None                                 # bytes, when one was enforced
     eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
     leaks: list = field(default_factory=list)  # autofit.leaks findings: {"kind", "culprit", "bytes", "fix"}
+    tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
 
     @property
     def oom_attempts(self) -> int:
@@ -88,7 +89,7 @@ def build_optimizer(optimizer, model):
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True,
-        metric_fn=None, capacity_check=True):
+        metric_fn=None, capacity_check=True, tune=False):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -103,6 +104,10 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     _check_positive_int("epochs", epochs)
+    tune_options = None
+    if tune is not False:  # True or a dict of autofit.tune options; checked before any work
+        from .tuning import run_options
+        tune_options = run_options(tune)
     if precision not in PRECISION_POLICIES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -110,6 +115,9 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     first, epoch_batches = global_batches(data, batch_size, epochs)
     first_rows = rows_of(first)  # raises on a batch that cannot be split
     lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+    if tune_options is not None and lockstep is not None:
+        raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
+                         "starts, and every rank of autofit.run starts from the cached plan.")
     shard = _same
     if lockstep is not None:
         model = lockstep.module  # DDP runs it: the user's DDP, or one made for the run
@@ -140,8 +148,20 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                     precision=precision, device=lockstep.cache_view(device) if lockstep else device,
                     enabled=cache and (lockstep is None or lockstep.rank == 0))  # rank 0 owns the cache
 
+        tuned = None
+        if tune_options is not None:
+            from .tuning import settle, tune_for_run
+            tuned = tune_for_run(tune_options, device=device, model=model, optimizer=opt, data=data,
+                                 first=first, epoch_batches=epoch_batches, precision=precision,
+                                 loss_fn=loss_fn, cache=cache)
+
         def choose():
             """(start plan, reason, settle_within); fills `sizes` with what is already known."""
+            if tuned is not None:
+                settle(tuned.plan, sizes)
+                return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
+                        f"tuned: fastest of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s)", 0.0)
             recalled = memo.recall(sizes)
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
@@ -167,7 +187,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                                            loss_fn=loss_fn, count_tokens=count_tokens)
         controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
                                 settle_within=settle_within)
-        result = RunResult(plan=start, device=device.describe(), budget=device.budget)
+        result = RunResult(plan=start, device=device.describe(), budget=device.budget, tune=tuned)
         watch = LeakWatch(runner)  # batches handed over on the device; memory kept across steps
         watch.check_batch(first, data)
         sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from autofit.cache import APPLICATION_ID, SCHEMA_VERSION, PlanCache, default_path
+from autofit.cache import APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION, PlanCache, default_path
 from autofit.plan import Plan
 
 FIELDS = {"model": {"class": "m.M", "params": "ab" * 32, "n_params": 10}, "global_batch": 32}
@@ -202,6 +202,98 @@ def test_empty_file_is_used(tmp_path):
     cache.put("k", FIELDS, entry())
     assert cache.get("k")["plan"]["micro_batch_size"] == 8
     assert corrupt_files(path) == []
+
+
+def tables_of(path) -> list[str]:
+    conn = sqlite3.connect(path)
+    names = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+    conn.close()
+    return names
+
+
+def make_tables(path, names, application_id=0):
+    conn = sqlite3.connect(path)
+    for name in names:
+        conn.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY)")
+    conn.execute(f"PRAGMA application_id={application_id}")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("names", [
+    sorted(OPTUNA_TABLES),
+    ["studies", "version_info"],  # optuna still making its tables (SQLAlchemy makes one at a time)
+])
+def test_a_file_with_only_optunas_tables_is_shared_not_foreign(tmp_path, caplog, names):
+    path = tmp_path / "plans.sqlite"
+    make_tables(path, names)
+    cache = PlanCache(path)
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert cache.get("k") is None  # reading adds nothing
+        assert tables_of(path) == sorted(names)
+        cache.put("k", FIELDS, entry())
+    assert cache.get("k")["peak_bytes"] == 123_456_789
+    assert tables_of(path) == sorted(names + ["plans"])
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+    assert (corrupt_files(path), warnings_of(caplog)) == ([], [])
+
+
+@pytest.mark.parametrize("names, application_id", [
+    (["studies", "version_info", "notes"], 0),        # optuna's tables beside someone else's
+    (["studies", "version_info", "plans"], 0),        # a plans table without our marks
+    (["studies", "version_info"], 0x12345678),        # another application's marks
+])
+def test_optunas_tables_do_not_make_a_foreign_file_ours(tmp_path, caplog, names, application_id):
+    path = tmp_path / "plans.sqlite"
+    make_tables(path, names, application_id)
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        assert PlanCache(path).get("k") is None
+    assert len(corrupt_files(path)) == 1
+    [message] = warnings_of(caplog)
+    assert f"SQLite file of something else (application_id {application_id}, tables {sorted(names)})" in message
+
+
+def test_ensure_makes_the_file_once(tmp_path):
+    path = tmp_path / "sub" / "plans.sqlite"
+    cache = PlanCache(path)
+    assert cache.ensure() is True
+    assert tables_of(path) == ["plans"] and cache.entries() == []
+    cache.put("k", FIELDS, entry())
+    assert cache.ensure() is True
+    assert [e["key"] for e in cache.entries()] == ["k"]
+
+
+@pytest.mark.parametrize("optuna_first", [True, False])
+def test_optuna_and_the_plan_cache_share_one_file_in_either_order(tmp_path, caplog, optuna_first):
+    optuna = pytest.importorskip("optuna")
+    path = tmp_path / "plans.sqlite"
+    url = f"sqlite:///{path}"
+    cache = PlanCache(path)
+
+    def study_with_a_trial():
+        study = optuna.create_study(study_name="s", storage=url, load_if_exists=True)
+        study.enqueue_trial({"x": 1.0})
+        study.optimize(lambda t: t.suggest_float("x", 0, 2), n_trials=1)
+
+    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+        if optuna_first:
+            study_with_a_trial()
+            cache.put("k", FIELDS, entry())
+        else:
+            cache.put("k", FIELDS, entry())
+            study_with_a_trial()
+        study_with_a_trial()  # optuna reopens the file after both wrote to it
+        cache.put("k2", FIELDS, entry(micro=4))
+    assert sorted(e["key"] for e in cache.entries()) == ["k", "k2"]
+    assert [t.params for t in optuna.load_study(study_name="s", storage=url).trials] == [{"x": 1.0}] * 2
+    assert {"plans", "studies", "trials"} <= set(tables_of(path))
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    conn.close()
+    assert (corrupt_files(path), warnings_of(caplog)) == ([], [])
 
 
 @pytest.mark.parametrize("column, text, problem", [

@@ -1,0 +1,345 @@
+"""autofit.tune: which plans are trialled and in what order, OOM trials pruned after their memory is
+freed, the winner cached for autofit.run, the user's model and optimizer untouched, the study in the
+plan-cache file or in a storage given, bad input. Timings are never asserted: a fake clock decides."""
+
+import copy
+import gc
+import importlib
+import sqlite3
+import sys
+
+import pytest
+import torch
+
+optuna = pytest.importorskip("optuna")
+
+import autofit  # noqa: E402
+from autofit.cache import APPLICATION_ID, PlanCache  # noqa: E402
+from autofit.plan import Plan  # noqa: E402
+from autofit.study import TuneTrial  # noqa: E402
+from models import bert_batch, tiny_bert  # noqa: E402
+from reference import second_step_peak  # noqa: E402
+
+# `autofit.tune` is the function; its module is autofit.tuning.
+tune_module = importlib.import_module("autofit.tuning")
+throughput = importlib.import_module("autofit.throughput")
+tune = tune_module.tune
+
+ROWS = 16
+# The plans for tiny_bert, global batch 16 x 16, on a budget where fp32 fits micro-batch 8 but not 16
+# (budget() below): the default plan first, then the others by the cost model, fastest first.
+SPACE = ["micro 8 x 2, fp32", "micro 8 x 2, bf16", "micro 4 x 4, fp32", "micro 4 x 4, bf16",
+         "micro 2 x 8, fp32", "micro 2 x 8, bf16"]
+_PEAKS = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny steps on 2 shared cores run ~8x faster on one intra-op thread (measured here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def budget(micro: int = 8) -> int:
+    """A budget where the second step at `micro` rows fits inside the runner's margin (0.9) and the
+    whole batch does not."""
+    if micro not in _PEAKS:
+        _PEAKS[micro] = second_step_peak(tiny_bert(), bert_batch(ROWS), Plan.for_batch(ROWS, micro))
+    return int(_PEAKS[micro] / 0.85)
+
+
+def batches(n: int = 2) -> list:
+    return [bert_batch(ROWS, seed=s) for s in range(n)]
+
+
+class Clock:
+    """A fake clock: each read advances it by 1 s, except the second read of completed trial k,
+    which advances it by `durations[k]` (a completed trial reads it exactly twice). `optimizer`
+    gives an optimizer factory whose steps the clock counts: `at` holds the count at each read."""
+
+    def __init__(self, durations=None):
+        self.durations, self.reads, self.now = durations, 0, 0.0
+        self.steps, self.at = 0, []
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.at.append(self.steps)
+        trial, second = divmod(self.reads - 1, 2)
+        self.now += self.durations[trial] if self.durations is not None and second else 1.0
+        return self.now
+
+    def optimizer(self, params):
+        optimizer = torch.optim.AdamW(params)
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "steps", self.steps + 1))
+        return optimizer
+
+
+def state_of(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def described(plans) -> list[str]:
+    return [p.describe() for p in plans]
+
+
+def cache_url() -> str:
+    return f"sqlite:///{PlanCache().path}"
+
+
+def test_every_plan_once_in_order_fastest_cached_and_run_starts_from_it(tiny_bert):
+    data = batches()
+    untouched = copy.deepcopy(tiny_bert)
+    before = state_of(tiny_bert)
+    clock = Clock(durations=[4, 4, 2, 4, 4, 4])  # micro 4 x 4, fp32 is twice as fast as the rest
+    result = tune(tiny_bert, data, budget=budget(), steps=1, warmup=1, clock=clock,
+                  optimizer=clock.optimizer)
+
+    assert described(result.space) == SPACE
+    assert [(t.number, t.plan.describe(), t.outcome) for t in result.trials] == \
+        [(i, plan, "ok") for i, plan in enumerate(SPACE)]
+    assert [t.samples_per_second for t in result.trials] == [4.0, 4.0, 8.0, 4.0, 4.0, 4.0]
+    # Each trial: one warm-up step untimed, then the clock read around the timed step.
+    assert clock.at == [n for trial in range(len(SPACE)) for n in (2 * trial + 1, 2 * trial + 2)]
+    assert result.plan == Plan(4, 4, "fp32")
+    assert (result.samples_per_second, result.default_samples_per_second, result.speedup) == (8.0, 4.0, 2.0)
+    assert result.default_plan == Plan(8, 2, "fp32")
+    assert (result.measured, result.cached) == (len(SPACE), True)
+    entry = PlanCache().get(result.key)
+    assert entry["plan"] == result.plan.to_dict()
+    assert entry["throughput"] == pytest.approx(8.0, rel=1e-3)  # the winner's measured rate
+    assert same(state_of(tiny_bert), before)
+    assert all(p.grad is None for p in tiny_bert.parameters()) and tiny_bert.training
+
+    # The default plan is the one autofit.run starts from without tuning.
+    plain = autofit.run(untouched, data, budget=budget(), progress=False, cache=False)
+    assert plain.attempts[0].plan == result.default_plan
+    assert plain.attempts[0].reason.startswith("estimated")
+
+    # The next run of the job starts from the tuned plan, settled: no OOM attempt, no probe.
+    run = autofit.run(tiny_bert, data, budget=budget(), progress=False)
+    assert [(a.step, a.plan, a.outcome) for a in run.attempts] == [(0, result.plan, "ok"), (1, result.plan, "ok")]
+    assert run.attempts[0].reason.startswith("cached")
+    assert PlanCache().get(result.key)["plan"] == result.plan.to_dict()
+
+
+def test_a_plan_that_runs_out_of_memory_is_pruned_after_its_memory_is_freed(tiny_bert, monkeypatch):
+    real = throughput.estimated_start
+
+    def optimistic(model, batch, *args):  # the estimator "thinks" the whole batch fits
+        real(model, batch, *args)
+        return Plan(ROWS), "estimated (patched)"
+    monkeypatch.setattr(throughput, "estimated_start", optimistic)
+    optimizer = torch.optim.AdamW(tiny_bert.parameters())
+    with autofit.simulate_gpu(budget()) as gpu:
+        gpu.track(list(tiny_bert.parameters()) + list(tiny_bert.buffers()))
+        baseline = gpu.memory_allocated()
+        result = tune(tiny_bert, batches(), budget=budget(), optimizer=optimizer, steps=1, clock=Clock())
+        assert gpu.memory_allocated() == baseline  # no trial's memory, no optimizer state left
+    assert optimizer.state == {}
+
+    assert described(result.space) == ["micro 16 x 1, fp32", "micro 8 x 2, fp32", "micro 8 x 2, bf16",
+                                       "micro 4 x 4, fp32", "micro 4 x 4, bf16", "micro 2 x 8, bf16"]
+    assert [t.outcome for t in result.trials] == ["oom", "ok", "ok", "ok", "ok", "ok"]
+    study = optuna.load_study(study_name=result.study_name, storage=cache_url())
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.PRUNED] + \
+        [optuna.trial.TrialState.COMPLETE] * 5
+    pruned = study.trials[0].user_attrs["autofit"]
+    assert pruned["outcome"] == "oom" and pruned["peak_bytes"] > 0 and "CUDA out of memory" in pruned["error"]
+    # Every completed plan took as long (1 s a read): the first of them in trial order wins.
+    assert result.plan == Plan(8, 2, "fp32")
+    assert (result.default_plan, result.default_samples_per_second, result.speedup) == (Plan(ROWS), None, None)
+    entry = PlanCache().get(result.key)
+    assert (entry["plan"], entry["smallest_failing_micro_batch"]) == (result.plan.to_dict(), 16)
+
+
+def test_memory_held_in_reference_cycles_is_collected_after_each_trial(tiny_bert):
+    kept = []
+
+    def loss_fn(model, batch):  # leaves a reference cycle holding a tensor of each micro-batch
+        out = model(**batch)
+        cycle = [out.logits * 1]
+        cycle.append(cycle)
+        kept.append(len(kept))
+        return out.loss
+
+    gc.disable()  # only an explicit collection frees the cycles
+    try:
+        with autofit.simulate_gpu(budget()) as gpu:
+            gpu.track(list(tiny_bert.parameters()) + list(tiny_bert.buffers()))
+            baseline = gpu.memory_allocated()
+            tune(tiny_bert, batches(), budget=budget(), loss_fn=loss_fn, n_trials=1, steps=1, clock=Clock())
+            assert kept and gpu.memory_allocated() == baseline
+    finally:
+        gc.enable()
+
+
+def test_every_trial_starts_from_the_users_weights_and_no_optimizer_state(tiny_bert):
+    optimizer = torch.optim.AdamW(tiny_bert.parameters())
+    seen = []
+
+    def loss_fn(model, batch):  # what each micro-batch's forward finds (the estimator's fakes aside)
+        total = sum(p.double().sum().item() for p in model.parameters())
+        if type(total) is float:
+            seen.append((total, len(optimizer.state)))
+        return model(**batch).loss
+
+    result = tune(tiny_bert, batches(), budget=budget(), optimizer=optimizer, loss_fn=loss_fn, n_trials=2,
+                  steps=1, clock=Clock())
+    assert described(result.space[:2]) == ["micro 8 x 2, fp32", "micro 8 x 2, bf16"]  # 2 x 2 forwards each
+    assert len(seen) == 8 and seen[4] == seen[0] and seen[0][1] == 0 and seen[2][1] > 0
+
+
+def test_a_plan_that_ever_ran_out_of_memory_never_wins():
+    fast, slow = Plan(8, 2), Plan(4, 4)
+    trials = [TuneTrial(0, fast, "ok", 100.0), TuneTrial(1, slow, "ok", 50.0), TuneTrial(2, fast, "oom", None),
+              TuneTrial(3, slow, "ok", 70.0)]
+    result = tune_module._result(trials, fast, [fast, slow], 4, "s", "memory", "k")
+    assert (result.plan, result.samples_per_second, result.default_samples_per_second) == (slow, 60.0, None)
+    with pytest.raises(autofit.DoesNotFit, match="1 plan.s. are not measured yet: run tune again"):
+        tune_module._result(trials[2:3], fast, [fast, slow], 1, "s", "memory", "k")
+
+
+@pytest.mark.parametrize("challenger, winner", [(103.0, "default"), (103.5, "challenger")])
+def test_the_default_plan_stays_unless_another_is_more_than_3_percent_faster(challenger, winner):
+    default, other = Plan(8, 2), Plan(4, 4)
+    trials = [TuneTrial(0, default, "ok", 100.0), TuneTrial(1, other, "ok", challenger)]
+    result = tune_module._result(trials, default, [default, other], 2, "s", "memory", "k")
+    assert result.plan == {"default": default, "challenger": other}[winner]
+
+
+def test_the_users_model_optimizer_gradients_and_rng_are_untouched(tiny_bert):
+    for module in tiny_bert.modules():  # training steps draw from torch's RNG
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    optimizer = torch.optim.AdamW(tiny_bert.parameters(), lr=3e-4, weight_decay=0.05)
+    for batch in batches():  # optimizer state and gradients exist before tuning
+        optimizer.zero_grad()
+        tiny_bert(**batch).loss.backward()
+        optimizer.step()
+    tiny_bert.eval()
+    before = state_of(tiny_bert)
+    grads = [p.grad.clone() for p in tiny_bert.parameters()]
+    opt_state = copy.deepcopy(optimizer.state_dict())
+    data, limit = batches(), budget(ROWS)  # budget() builds a model: it seeds torch's RNG
+    rng = torch.get_rng_state()
+
+    result = tune(tiny_bert, data, budget=limit, optimizer=optimizer, n_trials=2, steps=1, clock=Clock())
+
+    assert result.measured == 2
+    assert same(state_of(tiny_bert), before)
+    assert all(torch.equal(p.grad, g) for p, g in zip(tiny_bert.parameters(), grads))
+    after = optimizer.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"]
+    assert after["state"].keys() == opt_state["state"].keys()
+    assert all(torch.equal(after["state"][i][k], v) for i, s in opt_state["state"].items() for k, v in s.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not tiny_bert.training
+
+
+def test_the_study_lives_in_the_plan_cache_file_and_resumes_without_measuring_twice(tiny_bert):
+    data = batches()
+    first = tune(tiny_bert, data, budget=budget(), n_trials=2, steps=1, clock=Clock())
+    assert (first.measured, described(t.plan for t in first.trials)) == (2, SPACE[:2])
+    rest = tune(tiny_bert, data, budget=budget(), n_trials=50, steps=1, clock=Clock())
+    assert (rest.measured, described(t.plan for t in rest.trials)) == (len(SPACE) - 2, SPACE)
+    again = tune(tiny_bert, data, budget=budget(), steps=1, clock=Clock())
+    assert (again.measured, again.trials, again.plan) == (0, rest.trials, rest.plan)
+
+    path = PlanCache().path
+    assert (rest.storage, rest.study_name) == (f"sqlite:///{path}", "autofit-" + rest.key)
+    conn = sqlite3.connect(path)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    conn.close()
+    assert {"plans", "studies", "trials"} <= tables
+    assert len(optuna.load_study(study_name=rest.study_name, storage=cache_url()).trials) == len(SPACE)
+    assert [(e["key"], e["entry"]["plan"]) for e in PlanCache().entries()] == [(rest.key, rest.plan.to_dict())]
+    assert list(path.parent.glob("*.corrupt-*")) == []
+
+
+def test_a_storage_given_is_shared_by_machines_tuning_the_same_job(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    one = tune(tiny_bert(), batches(), budget=budget(), storage=url, n_trials=3, steps=1, clock=Clock())
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "other-machine"))
+    two = tune(tiny_bert(), batches(), budget=budget(), storage=url, steps=1, clock=Clock())
+
+    assert one.study_name == two.study_name == "autofit-" + one.key and one.key == two.key
+    assert (one.storage, one.measured, two.measured) == (url, 3, len(SPACE) - 3)
+    assert described(t.plan for t in two.trials) == SPACE
+    assert len(optuna.load_study(study_name=two.study_name, storage=url).trials) == len(SPACE)
+    assert PlanCache().get(two.key)["plan"] == two.plan.to_dict()
+    conn = sqlite3.connect(PlanCache().path)  # the plan cache holds no study when a storage is given
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["plans"]
+    conn.close()
+
+
+def test_without_the_cache_nothing_is_written(tiny_bert):
+    result = tune(tiny_bert, batches(), budget=budget(), cache=False, n_trials=1, steps=1, clock=Clock())
+    assert (result.cached, result.storage, described(t.plan for t in result.trials)) == \
+        (False, "in memory (cache=False)", SPACE[:1])
+    assert not PlanCache().path.exists()
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(n_trials=0), ValueError, "n_trials must be a positive int, or None to measure every plan once, but got 0."),
+    (dict(n_trials=-2), ValueError, "but got -2."),
+    (dict(n_trials=True), ValueError, "but got True."),
+    (dict(steps=0), ValueError, "steps must be a positive int (global batches timed per trial) but got 0."),
+    (dict(warmup=-1), ValueError, "warmup must be an int >= 0"),
+    (dict(storage=3), TypeError, "storage must be None (the plan cache file), a database URL"),
+    (dict(study_name=""), ValueError, "study_name must be a non-empty string"),
+    (dict(clock=1.0), TypeError, "clock must be a callable"),
+    (dict(precision="fp8"), ValueError, "precision must be one of auto, fp32, bf16, fp16 but got 'fp8'."),
+    (dict(data=[]), ValueError, "data (list) yielded no batch; give at least one."),
+    (dict(data=iter([bert_batch(ROWS)])), ValueError, "data is a one-shot iterator (list_iterator)"),
+    (dict(budget=None), ValueError, "budget=None on cpu: nothing limits memory here, so there is nothing "
+                                    "to tune against; pass budget='8GiB'"),
+])
+def test_bad_input_says_what_and_what_to_do(kwargs, error, words):
+    if kwargs.get("budget", 1) is None and torch.cuda.is_available():
+        pytest.skip("a CUDA card is something to tune against")
+    kwargs = {"data": batches(1), "budget": budget(), **kwargs}
+    with pytest.raises(error) as raised:
+        tune(tiny_bert(), **kwargs)
+    assert words in str(raised.value)
+
+
+def test_a_simulated_gpu_without_a_budget_has_nothing_to_tune_against():
+    with autofit.simulate_gpu(), pytest.raises(ValueError, match="nothing limits memory here"):
+        tune(tiny_bert(), batches(1))
+
+
+def test_without_optuna_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ImportError
+    with pytest.raises(ImportError, match=r"autofit\.tune needs optuna, an optional extra: "
+                                          r"pip install 'autofit\[tune\]'"):
+        tune(tiny_bert(), batches(1), budget=budget())
+    with pytest.raises(ImportError, match="pip install"):
+        tune_module.run_options(True)
+
+
+@pytest.mark.parametrize("option, error, words", [
+    ("yes", TypeError, "tune must be False, True or a dict of options"),
+    ({"trials": 3}, ValueError, "has unknown option(s) ['trials']"),
+    ({"n_trials": 0}, ValueError, "n_trials must be a positive int"),
+])
+def test_run_options_are_checked_before_any_work(option, error, words):
+    assert tune_module.run_options(True) == {}
+    assert tune_module.run_options({"n_trials": 2, "steps": 1}) == {"n_trials": 2, "steps": 1}
+    with pytest.raises(error) as raised:
+        tune_module.run_options(option)
+    assert words in str(raised.value)
+
+
+def test_run_with_tune_starts_from_the_fastest_measured_plan(tiny_bert):
+    data = batches()
+    result = autofit.run(tiny_bert, data, budget=budget(), progress=False,
+                         tune={"steps": 1, "clock": Clock(durations=[4, 4, 2, 4, 4, 4])})
+    assert [(a.plan, a.outcome) for a in result.attempts] == [(Plan(4, 4, "fp32"), "ok")] * 2
+    assert result.attempts[0].reason.startswith("tuned")
