@@ -39,22 +39,17 @@ Known differences from a card, all small or covered by `rank`'s margin and calib
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
-import itertools
-import math
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
+from .cuda_attention import attention_as_on_cuda
 from .device import Device, _map_tensors
+from .fakes import fake_like, fake_model, fake_optimizer, on_device_state, warm
 from .memory import KINDS, format_breakdown, storage_bytes
 from .plan import Plan
 from .simulate import SimulatedGPU, _CountingMode, round_bytes
@@ -205,187 +200,6 @@ class _FakeDevice(Device):
         return self.meter.untracked()
 
 
-# -- attention as CUDA runs it --------------------------------------------------------------------
-
-_routing_lock = threading.Lock()
-_routing = {"users": 0, "original": None, "modes": weakref.WeakSet()}
-
-
-def _routed_attention(query, key, value, *args, **kwargs):
-    mode = getattr(query, "fake_mode", None)
-    if mode is not None and mode in _routing["modes"]:
-        return cuda_attention(query, key, value, *args, **kwargs)
-    return _routing["original"](query, key, value, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _attention_as_on_cuda(mode: FakeTensorMode):
-    """While inside, SDPA on this fake mode's tensors runs CUDA's kernels; every other call is untouched.
-
-    A function mode cannot do this: the autograd engine does not carry function modes into backward,
-    where checkpointing recomputes the forward, and a recomputation that took another path than the
-    forward is an error. So `F.scaled_dot_product_attention` itself is wrapped while any estimate
-    needs it; the wrapper routes only fake tensors of an estimate's own mode, so other threads and
-    real tensors go to the original.
-    """
-    with _routing_lock:
-        if _routing["users"] == 0:
-            _routing["original"] = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = _routed_attention
-        _routing["users"] += 1
-        _routing["modes"].add(mode)
-    try:
-        yield
-    finally:
-        with _routing_lock:
-            _routing["modes"].discard(mode)
-            _routing["users"] -= 1
-            if _routing["users"] == 0:
-                F.scaled_dot_product_attention = _routing["original"]
-                _routing["original"] = None
-
-
-def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
-    """Scaled dot-product attention through flash / memory-efficient attention's (fake) kernels."""
-    if torch.is_autocast_enabled(query.device.type):  # SDPA is on autocast's lower-precision list
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        if attn_mask is not None and attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(dtype)
-    with torch.autocast(query.device.type, enabled=False):
-        if key.size(-3) != query.size(-3):  # grouped-query attention
-            repeat = query.size(-3) // key.size(-3)
-            key = key.repeat_interleave(repeat, dim=-3)
-            value = value.repeat_interleave(repeat, dim=-3)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device
-                                    ).masked_fill_(attn_mask.logical_not(), -math.inf)
-        low = query.dtype in (torch.float16, torch.bfloat16)
-        if low and attn_mask is None and query.size(-1) <= 256:
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if attn_mask is not None:
-            attn_mask = attn_mask.expand(query.size(0), query.size(-3), query.size(-2), key.size(-2))
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
-
-
-# -- fake copies --------------------------------------------------------------------------------
-
-def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    """A fake CPU tensor with t's shape, strides, dtype and requires_grad (call under the mode)."""
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(fake, requires_grad=t.requires_grad)
-    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else fake
-
-
-def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-    """A copy of `model` whose tensors are fake (call under a FakeTensorMode); {id(real): fake}.
-
-    The copy shares nothing with the model, and no tensor data is copied: a deepcopy whose memo
-    already maps every tensor of the model to its fake stand-in.
-    """
-    memo: dict = {}
-    fakes: dict = {}
-    tensors = itertools.chain(model.parameters(), model.buffers(),
-                              (v for m in model.modules() for v in vars(m).values()
-                               if isinstance(v, torch.Tensor)))
-    for t in tensors:
-        if id(t) not in fakes:
-            fakes[id(t)] = memo[id(t)] = _fake_like(t)
-    return copy.deepcopy(model, memo), fakes
-
-
-# -- the optimizer ------------------------------------------------------------------------------
-
-def _group_options(groups) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-
-def _same_kind(optimizer, groups) -> torch.optim.Optimizer:
-    """An optimizer of the same class and options over `groups`.
-
-    Only the defaults its constructor accepts are passed (AdamW's defaults hold
-    `decoupled_weight_decay`, which AdamW() refuses); all of them are set afterwards.
-    """
-    cls = type(optimizer)
-    parameters = inspect.signature(cls.__init__).parameters
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items() if open_ended or k in parameters}
-    built = cls(groups, **kwargs)
-    built.defaults.update(optimizer.defaults)
-    for g, options in zip(built.param_groups, _group_options(groups)):
-        g.update(options)
-    return built
-
-
-def fake_optimizer(optimizer, model, fakes: dict, device_type: str) -> torch.optim.Optimizer:
-    """The optimizer the step would use, over the fake parameters (call under the mode).
-
-    None: AdamW; an Optimizer: its class, groups and options, with its state made fake; a factory:
-    called with the fake parameters. For CUDA, an implementation left to the default becomes
-    foreach, as CUDA would pick (fake tensors would otherwise get the single-tensor loop).
-    """
-    if optimizer is None:
-        built = torch.optim.AdamW([fakes[id(p)] for p in model.parameters()])
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in fakes]
-        if missing:
-            raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
-                             f"the model (e.g. {list(missing[0].shape)}); build it over "
-                             f"model.parameters().")
-        groups = [{**options, "params": [fakes[id(p)] for p in g["params"]]}
-                  for g, options in zip(optimizer.param_groups, _group_options(optimizer.param_groups))]
-        built = _same_kind(optimizer, groups)
-        for p, state in optimizer.state.items():
-            if id(p) in fakes:
-                built.state[fakes[id(p)]] = {k: _fake_like(v) if isinstance(v, torch.Tensor) else v
-                                             for k, v in state.items()}
-    elif callable(optimizer):
-        built = optimizer(list(fakes[id(p)] for p in model.parameters()))
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
-                            f"torch.optim.Optimizer built over the parameters it is given.")
-    else:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or "
-                        f"None but got {type(optimizer).__name__}.")
-    if device_type == "cuda":
-        for g in built.param_groups:
-            if "foreach" in g and g["foreach"] is None and not g.get("fused"):
-                g["foreach"] = True
-    return built
-
-
-def _warm(optimizer) -> None:
-    """One step on zero gradients: the optimizer's state now exists, as from a real run's 2nd step."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if any(not optimizer.state.get(p) for p in params):
-        with torch.no_grad():
-            for p in params:
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _on_device_state(optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors that live on the device.
-
-    The scalar `step` counters stay in host memory (CUDA keeps them on the CPU unless the
-    optimizer is capturable or fused; on the simulated GPU they are made outside its counter).
-    """
-    out = []
-    for group in optimizer.param_groups:
-        device_steps = bool(group.get("capturable") or group.get("fused"))
-        for p in group["params"]:
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and (device_steps or not (k == "step" and v.dim() == 0)):
-                    out.append(v)
-    return out
-
-
 # -- the estimate -------------------------------------------------------------------------------
 
 class Estimator:
@@ -410,8 +224,8 @@ class Estimator:
             self.model, fakes = fake_model(model)
             self.model.train()
             self.optimizer = fake_optimizer(optimizer, model, fakes, device_type)
-            _warm(self.optimizer)
-            self.batch = _map_tensors(batch, _fake_like)
+            warm(self.optimizer)
+            self.batch = _map_tensors(batch, fake_like)
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
 
@@ -426,7 +240,7 @@ class Estimator:
         return stack
 
     def _state(self) -> list[torch.Tensor]:
-        return _on_device_state(self.optimizer)
+        return on_device_state(self.optimizer)
 
     def _resident(self) -> dict:
         """Bytes that every plan keeps on the device at its optimizer step, whatever the batch."""
@@ -461,7 +275,7 @@ class Estimator:
                  for p in _unique(self.model.parameters()) if p.requires_grad]
         hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
         hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
-        attention = (_attention_as_on_cuda(self.mode) if self.device_type == "cuda"
+        attention = (attention_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
             with self.mode, attention, _CountingMode(meter):
