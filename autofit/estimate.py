@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
 from .cuda_attention import attention_as_on_cuda
-from .device import Device, _map_tensors
+from .device import SimulatedDevice, _map_tensors
 from .fakes import fake_like, fake_model, fake_optimizer, on_device_state, warm
 from .memory import KINDS, format_breakdown, storage_bytes
 from .plan import Plan
@@ -173,31 +173,17 @@ class _Meter(SimulatedGPU):
                 self._kinds[key] = kind
 
 
-class _FakeDevice(Device):
-    """The device StepRunner runs on during an estimate: fake CPU tensors, counted by the meter."""
-
-    counts = True
-    type = "cpu"
-    name = "estimator"
+class _FakeDevice(SimulatedDevice):
+    """The device StepRunner runs on during an estimate: the simulated GPU's, with the meter as its
+    counter (no budget) and the batch copies counted as "other"."""
 
     def __init__(self, meter: _Meter):
-        self.meter = meter
-
-    def memory_allocated(self):
-        return self.meter.memory_allocated()
-
-    def max_memory_allocated(self):
-        return self.meter.max_memory_allocated()
-
-    def reset_peak_memory_stats(self):
-        self.meter.reset_peak_memory_stats()
+        super().__init__(meter)
+        self.name = "estimator"
 
     def to_device(self, batch):
-        with self.meter.as_kind("other"):
+        with self.gpu.as_kind("other"):
             return _map_tensors(batch, lambda t: t.clone())
-
-    def host(self):
-        return self.meter.untracked()
 
 
 # -- the estimate -------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Part 2, small size with real compute on the simulated GPU (`autofit.simulate_gpu
 
 from __future__ import annotations
 
-import copy
 import gc
 import os
 import tempfile
@@ -185,22 +184,13 @@ def lm_two_phase_full():
 # -- part 2: real compute on the simulated GPU ---------------------------------------------------------
 
 def second_step_peak(build, batch, plan, optimizer):
+    """The peak of a real second step (the optimizer's state exists)."""
     model = build()
     with autofit.simulate_gpu() as gpu:
         device = SimulatedDevice(gpu)
         device.place_model(model)
         runner = StepRunner(model, optimizer(model.parameters()), device)
         runner.run(batch, plan)
-        runner.run(batch, plan)
-        return runner.attempt_peak()
-
-
-def first_step_peak(build, batch, plan, optimizer):
-    model = build()
-    with autofit.simulate_gpu() as gpu:
-        device = SimulatedDevice(gpu)
-        device.place_model(model)
-        runner = StepRunner(model, optimizer(model.parameters()), device)
         runner.run(batch, plan)
         return runner.attempt_peak()
 

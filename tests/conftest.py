@@ -3,6 +3,7 @@ this directory is put on sys.path so that import works however pytest is started
 
 import os
 import sys
+import textwrap
 
 import pytest
 
@@ -42,3 +43,19 @@ def _gpt2_batch():
 def _private_plan_cache(tmp_path, monkeypatch):
     """Every test gets its own plan cache: runs must not learn from other tests' runs."""
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "autofit-cache"))
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Write a module into tmp_path and make it importable; forget it afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def write(name, source):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        written.append(name)
+        return name
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)

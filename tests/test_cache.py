@@ -268,7 +268,7 @@ def test_ensure_makes_the_file_once(tmp_path):
 
 @pytest.mark.parametrize("optuna_first", [True, False])
 def test_optuna_and_the_plan_cache_share_one_file_in_either_order(tmp_path, caplog, optuna_first):
-    optuna = pytest.importorskip("optuna")
+    import optuna  # in the test extra
     path = tmp_path / "plans.sqlite"
     url = f"sqlite:///{path}"
     cache = PlanCache(path)

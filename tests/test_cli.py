@@ -1,8 +1,6 @@
 """The command line, in-process through `main(argv)`: exit codes and the lines people read."""
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -22,19 +20,6 @@ def no_cuda(monkeypatch, tmp_path):
     """Every case runs as on a CPU-only machine with its own empty plan cache."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written = []
-
-    def write(name, source):
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        written.append(name)
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 USER_MODULE = """

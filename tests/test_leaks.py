@@ -2,10 +2,9 @@
 
 The patterns are driven the way a run drives them: a `StepRunner` trains global batches on the
 simulated GPU and `LeakWatch.after_step` is called after each one. The last tests run them through
-`autofit.run` once it carries `RunResult.leaks`.
+`autofit.run` (`RunResult.leaks`).
 """
 
-import dataclasses
 import logging
 
 import pytest
@@ -391,13 +390,8 @@ def test_explain_lists_the_leaks_with_their_fixes():
         "larger batch will run out of."]
 
 
-# -- through autofit.run (once run() fills RunResult.leaks) --------------------------------------------
+# -- through autofit.run ----------------------------------------------------------------------------
 
-wired = pytest.mark.skipif("leaks" not in {f.name for f in dataclasses.fields(RunResult)},
-                           reason="autofit.run does not fill RunResult.leaks yet")
-
-
-@wired
 def test_run_reports_the_loss_kept_across_steps():
     LOSSES.clear()
     model, data = tiny(), batches()
@@ -411,7 +405,6 @@ def test_run_reports_the_loss_kept_across_steps():
     LOSSES.clear()
 
 
-@wired
 def test_run_reports_batches_handed_over_on_the_device_and_nothing_else():
     with autofit.simulate_gpu():
         data = batches()

@@ -1,7 +1,5 @@
 """autofit.models: spec strings -> (model, sample batch); built on meta, errors in one line."""
 
-import sys
-import textwrap
 import time
 
 import pytest
@@ -117,21 +115,6 @@ def test_builtins_table_names():
 
 
 # -- module:function ---------------------------------------------------------------------------
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    """Write a module into tmp_path and make it importable; forget it afterwards."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written = []
-
-    def write(name, source):
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        written.append(name)
-        return name
-
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 def test_module_function_gets_the_sizes_it_accepts(user_module):

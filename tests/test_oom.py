@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autofit.device import CpuDevice, SimulatedDevice
-from autofit.oom import OOM_MESSAGES, is_oom, release, summarize
+from autofit.oom import is_oom, release, summarize
 from autofit.simulate import simulate_gpu
 
 # Written out here, not read from the module, so dropping one from OOM_MESSAGES fails a test.
