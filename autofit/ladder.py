@@ -68,6 +68,12 @@ class SizeLog:
         if not fits:
             self.fits.pop(key, None)
 
+    def settle(self, plan: Plan, length=None) -> None:
+        """`plan`'s micro-batch is the largest that fits its configuration at `length`: no probe
+        above it there (a cached or tuned plan)."""
+        self.record(plan, True, length=length)
+        self.record(plan.replace(micro_batch_size=plan.micro_batch_size + 1), False, length=length)
+
     def fit(self, plan: Plan, length=None) -> int | None:
         """The largest size known to fit `plan`'s configuration at `length` (fitted at it or longer)."""
         length = self.length if length is None else length

@@ -59,12 +59,11 @@ class Memo:
             known = None
         if known is None or not known.fits.get(config):  # an entry of an earlier autofit
             known = SizeLog()
-            known.record(plan, True)
+            known.record(plan, True)  # for every length
         # The sizes proven for each row length are taken as settled: no upward probe at those
         # lengths, so a rerun on the same data makes no OOM attempt.
         for length, size in list(known.fits[config].items()):
-            known.record(plan.replace(micro_batch_size=size + 1), False,
-                         length=0 if length == math.inf else length)
+            known.settle(plan.replace(micro_batch_size=size), length=None if length == math.inf else length)
         sizes.fits, sizes.fails = known.fits, known.fails
         return plan, entry
 

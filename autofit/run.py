@@ -150,7 +150,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
 
         tuned = None
         if tune_options is not None:
-            from .tuning import settle, tune_for_run
+            from .tuning import tune_for_run
             tuned = tune_for_run(tune_options, device=device, model=model, optimizer=opt, data=data,
                                  first=first, epoch_batches=epoch_batches, precision=precision,
                                  loss_fn=loss_fn, cache=cache)
@@ -158,7 +158,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         def choose():
             """(start plan, reason, settle_within); fills `sizes` with what is already known."""
             if tuned is not None:
-                settle(tuned.plan, sizes)
+                sizes.settle(tuned.plan)  # for every length
                 return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
                         f"tuned: fastest of {len(tuned.space)} plan(s) measured "
                         f"({tuned.samples_per_second:.1f} samples/s)", 0.0)

@@ -259,12 +259,6 @@ def tune_for_run(options: dict, *, device, model, optimizer, data, first, epoch_
                        warmup=warmup, cache=cache, **options)
 
 
-def settle(plan: Plan, sizes: SizeLog) -> None:
-    """Mark `plan`'s micro-batch as the largest that fits its configuration: no probe above it."""
-    sizes.record(plan, True)
-    sizes.record(plan.replace(micro_batch_size=plan.micro_batch_size + 1), False)
-
-
 # -- the pieces -------------------------------------------------------------------------------------
 
 def take_batches(batches, count: int) -> list:
@@ -379,4 +373,4 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
 
 
 __all__ = ["TuneResult", "TuneTrial", "check_options", "kept_rng", "run_options", "search_space",
-           "settle", "take_batches", "tune", "tune_for_run", "tune_on"]
+           "take_batches", "tune", "tune_for_run", "tune_on"]

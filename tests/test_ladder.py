@@ -361,3 +361,13 @@ def test_moves_never_change_the_plan_they_are_given():
     ladder = default_ladder(SizeLog(), "auto")
     ladder(plan)
     assert plan == P(64)
+
+
+def test_settle_stops_the_probe_at_the_settled_length_only():
+    log = SizeLog()
+    log.settle(P(12), length=400)
+    assert (log.fit(P(1), length=400), log.fail(P(1), length=400)) == (12, 13)
+    assert log.probe_up(P(12, 6), 64, length=400) is None
+    assert log.probe_up(P(12, 6), 64, length=100) == P(64, 1)   # shorter rows may still probe
+    log.settle(P(8, precision="bf16"))                          # without a length: every length
+    assert log.probe_up(P(8, 8, "bf16"), 64, length=100) is None
