@@ -15,7 +15,8 @@ from .controller import Attempt, Controller
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
 from .errors import DoesNotFit
-from .evaluate import EVAL_START_FACTOR, EvalSizer, check_eval_data, evaluate
+from .eval_data import check_eval_data
+from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .ladder import SizeLog, as_move, default_ladder
 from .leaks import LeakWatch
 from .memo import Memo

@@ -5,8 +5,8 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, G
 import autofit
 from autofit.device import open_device
 from autofit.errors import DoesNotFit
-from autofit.evaluate import (EvalAttempt, EvalResult, EvalSizer, MetricError, check_eval_data,
-                              evaluate)
+from autofit.eval_data import check_eval_data
+from autofit.evaluate import EvalAttempt, EvalResult, EvalSizer, MetricError, evaluate
 from autofit.plan import Plan
 from autofit.step import NoLossError, StepRunner
 
