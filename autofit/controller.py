@@ -128,7 +128,7 @@ class Controller:
                 return  # nothing proven, or nothing smaller proven: try the plan as it is
             proven = longest[1]
             why = (f"rows of {length} elements, longer than any trained so far: the micro-batch "
-                   f"proven for the longest ({longest[0]:g})")
+                   f"proven for the longest ({longest[0]})")
         sized = plan.with_micro_batch(proven, global_batch)
         if sized != plan:
             self.plan, self.reason = sized, why

@@ -89,13 +89,19 @@ class SizeLog:
         sizes = [s for l, s in self.fails.get(config_of(plan), {}).items() if l <= at]
         return min(sizes) if sizes else None
 
-    def longest_fit(self, plan: Plan) -> tuple[float, int] | None:
-        """(length, size) proven at the longest length for `plan`'s configuration, or None."""
+    def longest_fit(self, plan: Plan) -> tuple[int | None, int] | None:
+        """(length, size) proven at the longest length for `plan`'s configuration (length None: at
+        every length), or None when nothing fitted."""
         fits = self.fits.get(config_of(plan))
         if not fits:
             return None
         longest = max(fits)
-        return longest, fits[longest]
+        return (EVERY if longest == math.inf else longest), fits[longest]
+
+    def settle_proven(self, plan: Plan) -> None:
+        """Settle every size proven for `plan`'s configuration at the length it was proven at."""
+        for length, size in list(self.fits.get(config_of(plan), {}).items()):
+            self.settle(plan.replace(micro_batch_size=size), length=EVERY if length == math.inf else length)
 
     def known_to_fail(self, plan: Plan, length=None) -> bool:
         failed = self.fail(plan, length)

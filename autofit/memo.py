@@ -62,8 +62,7 @@ class Memo:
             known.record(plan, True)  # for every length
         # The sizes proven for each row length are taken as settled: no upward probe at those
         # lengths, so a rerun on the same data makes no OOM attempt.
-        for length, size in list(known.fits[config].items()):
-            known.settle(plan.replace(micro_batch_size=size), length=None if length == math.inf else length)
+        known.settle_proven(plan)
         sizes.fits, sizes.fails = known.fits, known.fails
         return plan, entry
 
@@ -92,7 +91,7 @@ class Memo:
             "smallest_failing_micro_batch": sizes.fail(plan, length=math.inf if length is None else length),
             # Elements per row (batches.row_elements) of the longest batch the plan was proven on;
             # None: for any length.
-            "proven_row_elements": None if length in (None, math.inf) else length,
+            "proven_row_elements": length,
             "sizes": mine.to_json(),
         }
         try:

@@ -371,3 +371,13 @@ def test_settle_stops_the_probe_at_the_settled_length_only():
     assert log.probe_up(P(12, 6), 64, length=100) == P(64, 1)   # shorter rows may still probe
     log.settle(P(8, precision="bf16"))                          # without a length: every length
     assert log.probe_up(P(8, 8, "bf16"), 64, length=100) is None
+    assert log.longest_fit(P(1, precision="bf16")) == (None, 8)
+
+
+def test_settle_proven_settles_each_length_at_its_own_size():
+    log = SizeLog()
+    log.record(P(16), True, length=100)
+    log.record(P(8), True, length=400)
+    log.settle_proven(P(1))
+    assert log.fails == {("fp32", False, False): {100: 17, 400: 9}}
+    assert [log.probe_up(P(n, 1), 64, length=m) for n, m in ((16, 100), (8, 400))] == [None, None]
