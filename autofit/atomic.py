@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .oom import is_oom, summarize
+from .replay import restore_groups, save_groups
 
 HEADROOM = 1.25       # margin over the last measured need of a step
 HEADROOM_BYTES = 1 << 20
@@ -30,7 +31,7 @@ def _params(optimizer) -> list[torch.Tensor]:
 
 
 class Snapshot:
-    """Host copies of the parameters and optimizer state an optimizer step may mutate."""
+    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate."""
 
     def __init__(self, optimizer, device):
         self.optimizer = optimizer
@@ -42,10 +43,12 @@ class Snapshot:
                     self.state[p] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
                                          else v)
                                      for k, v in optimizer.state[p].items()}
+            self.groups = save_groups(optimizer)  # some optimizers count steps in the group
 
     def restore(self) -> None:
         """Copy everything back in place; state made by the failed step is dropped."""
         state = self.optimizer.state
+        restore_groups(self.optimizer, self.groups)
         with torch.no_grad():
             for p, saved in self.params:
                 p.copy_(saved)

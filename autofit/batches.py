@@ -133,7 +133,8 @@ def peek(data, epochs: int, what: str = "data"):
     """
     import itertools
 
-    one_shot = iter(data) is data
+    from .reading import is_one_shot
+    one_shot = is_one_shot(data)  # never iter() a DataLoader just to ask
     if one_shot and epochs > 1:
         raise ValueError(f"{what} is a one-shot iterator ({type(data).__name__}) but epochs={epochs}; "
                          f"pass a DataLoader or a list so each epoch can read it again.")

@@ -23,6 +23,7 @@ from .ladder import SizeLog
 from .memory import by_kind
 from .oom import is_oom, release, summarize
 from .plan import Plan
+from .replay import StartState
 from .sizes import format_size
 
 log = logging.getLogger("autofit")
@@ -81,6 +82,7 @@ class Controller:
         self.attempts: list[Attempt] = []
         self.next_plan: Plan | None = None
         self._next_reason = ""
+        self.start = StartState(self.model, runner.optimizer, self.device)
         self._retrying = Retrying(
             retry=retry_if_result(lambda outcome: not outcome.ok),
             stop=_LadderExhausted(self) | stop_after_attempt(max_attempts),
@@ -103,6 +105,7 @@ class Controller:
                 self._fallback, self._fallback_reason = self.plan, self.reason
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
                                                   f" fits, searching upward)")
+        self.start.capture(batch)  # every attempt of this batch starts from this state
         outcome = self._retrying(self._attempt, batch, step, global_batch)
         if not outcome.ok:
             failed = [a for a in self.attempts if a.step == step]
@@ -138,6 +141,7 @@ class Controller:
         plan, reason = self.plan, self.reason
         baseline = self.device.memory_allocated()
         failure = None
+        batch = self.start.begin()  # a replay: RNG, buffers, param_groups and batch as before
         try:
             loss = self.runner.run(batch, plan)
         except Exception as error:

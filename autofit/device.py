@@ -91,6 +91,10 @@ class Device:
     def to_device(self, batch):
         return batch
 
+    def shares(self, tensor: torch.Tensor) -> bool:
+        """Whether `to_device` hands this tensor on as it is (no copy): a loss may then write to it."""
+        return True
+
     def host(self):
         """A context whose allocations are host memory (snapshots, offloaded optimizer state)."""
         return contextlib.nullcontext()
@@ -144,6 +148,9 @@ class SimulatedDevice(Device):
     def to_device(self, batch):
         # A copy, as a host-to-device copy would be: it is counted, and freed when the step drops it.
         return _map_tensors(batch, lambda t: t if self.gpu.holds(t) else t.clone())
+
+    def shares(self, tensor):
+        return self.gpu.holds(tensor)
 
     def host(self):
         return self.gpu.untracked()
@@ -199,6 +206,9 @@ class CudaDevice(Device):
 
     def to_device(self, batch):
         return _map_tensors(batch, lambda t: t.to(self.torch_device, non_blocking=True))
+
+    def shares(self, tensor):
+        return tensor.device == self.torch_device
 
     def live_tensors(self):
         return _live_python_tensors(lambda t: t.is_cuda)

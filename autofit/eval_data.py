@@ -11,6 +11,7 @@ import torch
 
 from .batches import batch_size as rows_of
 from .batches import peek
+from .reading import rng_untouched
 
 
 def is_map_dataset(data) -> bool:
@@ -110,7 +111,8 @@ def check_eval_data(data, expect_like=None, epochs: int = 1):
             from torch.utils.data import default_collate
             check_structure(default_collate([data[0]]), expect_like)
         return data
-    first, again = peek(data, epochs, "evaluation data")
+    with rng_untouched(data):  # a shuffled loader draws its order when evaluation reads it, not now
+        first, again = peek(data, epochs, "evaluation data")
     rows_of(first)
     check_structure(first, expect_like)
     return again

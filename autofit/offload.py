@@ -9,7 +9,8 @@ device never allocates for the update.
 
 from __future__ import annotations
 
-import inspect
+import copy
+from collections import defaultdict
 
 import torch
 
@@ -23,15 +24,8 @@ class Offloaded:
         with torch.no_grad(), device.host():
             self.pairs = [(p, p.detach().to("cpu", copy=True)) for g in optimizer.param_groups
                           for p in g["params"]]
-            host = {id(p): h for p, h in self.pairs}
-            groups = [{**{k: v for k, v in g.items() if k != "params"},
-                       "params": [host[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-            for g in groups:
-                g.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in g})
-            accepted = inspect.signature(type(optimizer).__init__).parameters
-            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            defaults.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in defaults})
-            self.host = type(optimizer)(groups, **defaults)
+            self.host = _host_copy(optimizer, {id(p): h for p, h in self.pairs})
+            groups = [{k: g[k] for k in _HOST_ONLY_DEFAULTS if k in g} for g in self.host.param_groups]
             self.host.load_state_dict(_state_dict_copy(optimizer, lambda v: v.detach().to("cpu", copy=True)))
             _restore_group_options(self.host, groups)
         # The device copy of the state is now redundant: free it.
@@ -62,6 +56,10 @@ class Offloaded:
             self.host.step()
             for _, h in self.pairs:
                 h.grad = None
+            for group, host_group in zip(self.optimizer.param_groups, self.host.param_groups):
+                for k, v in host_group.items():  # what the step wrote to its groups (step counters)
+                    if k != "params" and k not in _HOST_ONLY_DEFAULTS:
+                        group[k] = v
         with torch.no_grad():
             for p, h in self.pairs:
                 p.copy_(h)
@@ -73,6 +71,24 @@ class Offloaded:
         for group, kept in zip(self.optimizer.param_groups, options):
             group.update(kept)
         self.host.state.clear()
+
+
+def _host_copy(optimizer, host_params: dict):
+    """An optimizer like the user's over the host parameters: the same class and every attribute
+    (a subclass's own constructor arguments included) deep-copied, each device parameter mapped to
+    its host copy, the state left out (it is loaded next) and the hooks shared, not copied."""
+    host = type(optimizer).__new__(type(optimizer))
+    memo = dict(host_params)
+    for k, v in optimizer.__dict__.items():
+        if k == "state":
+            host.state = defaultdict(dict)
+        elif k.endswith("_hooks"):
+            host.__dict__[k] = copy.copy(v)
+        else:
+            host.__dict__[k] = copy.deepcopy(v, memo)
+    for options in [host.defaults] + host.param_groups:
+        options.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in options})
+    return host
 
 
 def _restore_group_options(optimizer, groups) -> None:

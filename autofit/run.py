@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batches import batch_size as rows_of
-from .batches import dataset_batches, peek, token_counter
+from .batches import dataset_batches, token_counter
 from .controller import Attempt, Controller
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
@@ -20,8 +20,10 @@ from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .ladder import SizeLog, as_move, default_ladder
 from .leaks import LeakWatch
 from .memo import Memo
+from .optimizers import check_optimizer, from_factory
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from .plan import PRECISIONS, Plan
+from .reading import Epochs
 from .step import StepRunner
 
 log = logging.getLogger("autofit")
@@ -52,7 +54,10 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def global_batches(data, batch_size, epochs: int):
-    """(first batch, a function giving each epoch's iterator); checks the data before training."""
+    """(first batch, a function giving each epoch's iterator); checks the data before training.
+
+    The data is read as a plain loop reads it: one iter() per epoch, the first batch taken from
+    the first epoch's own iterator (reading.Epochs)."""
     if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
         if batch_size is None:
             raise ValueError(f"data is a {type(data).__name__} (a map-style Dataset); pass batch_size=N, "
@@ -60,8 +65,8 @@ def global_batches(data, batch_size, epochs: int):
         _check_positive_int("batch_size", batch_size)
         if len(data) == 0:
             raise ValueError(f"data is an empty {type(data).__name__}; give at least one sample.")
-        loader = dataset_batches(data, batch_size)
-        return next(iter(loader)), lambda: iter(loader)
+        epochs_of = Epochs(dataset_batches(data, batch_size), epochs)
+        return epochs_of.first, epochs_of
     if batch_size is not None:
         raise ValueError(f"batch_size={batch_size!r} applies to a map-style Dataset, but data is a "
                          f"{type(data).__name__} that already yields batches; drop batch_size or pass "
@@ -69,20 +74,22 @@ def global_batches(data, batch_size, epochs: int):
     if isinstance(data, (torch.Tensor, dict)) or not hasattr(data, "__iter__"):
         raise TypeError(f"data must be a map-style Dataset or an iterable of batches (a DataLoader, a "
                         f"list of batches) but got {type(data).__name__}.")
-    first, again = peek(data, epochs)
-    return first, lambda: iter(again)
+    epochs_of = Epochs(data, epochs)  # the first batch comes from the first epoch's iterator
+    return epochs_of.first, epochs_of
 
 
 def build_optimizer(optimizer, model):
     if optimizer is None:
         return torch.optim.AdamW(model.parameters()), True
     if isinstance(optimizer, torch.optim.Optimizer):
+        check_optimizer(optimizer)
         return optimizer, False
     if callable(optimizer):
-        built = optimizer(model.parameters())
+        built = from_factory(optimizer, model.parameters())
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
                             f"torch.optim.Optimizer built over the parameters it is given.")
+        check_optimizer(built)
         return built, True
     raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None "
                     f"but got {type(optimizer).__name__}.")

@@ -14,6 +14,7 @@ from .batches import batch_size, row_elements
 from .capacity import choose, needs_message, rank
 from .errors import DoesNotFit
 from .ladder import config_of
+from .reading import rng_untouched
 from .sizes import format_size
 
 log = logging.getLogger("autofit")
@@ -51,8 +52,9 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
-    candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
-                      margin=MARGIN, device_type=device_type, bf16_supported=device.supports_bf16())
+    with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
+        candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
+                          margin=MARGIN, device_type=device_type, bf16_supported=device.supports_bf16())
     chosen = choose(candidates)
     if chosen is None:
         leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None

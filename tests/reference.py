@@ -8,11 +8,11 @@ from autofit.step import StepRunner
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 
-def bert(seed=0, layers=2, hidden=32, vocab=100):
+def bert(seed=0, layers=2, hidden=32, vocab=100, dropout=0.0):
     torch.manual_seed(seed)
     cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                      intermediate_size=2 * hidden, vocab_size=vocab, max_position_embeddings=64,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, num_labels=3)
     return BertForSequenceClassification(cfg)
 
 
@@ -62,6 +62,19 @@ def plain_loop(model, batches, micro_sizes, *, tokens=False, optimizer=None):
             (model(**part).loss * w).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return model
+
+
+def plain_loop_fn(model, batches, micro_sizes, loss_fn, optimizer):
+    """plain_loop for any dict batch and `loss_fn(model, batch)`: rows split, weighted by rows."""
+    model.train()
+    for batch, micro in zip(batches, micro_sizes):
+        n = len(next(iter(batch.values())))
+        for i in range(0, n, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            (loss_fn(model, part) * (len(next(iter(part.values()))) / n)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return model
 
 

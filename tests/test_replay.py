@@ -1,0 +1,145 @@
+"""replay.StartState, reading.Epochs/rng_untouched and optimizers.needs_closure, unit by unit."""
+
+import pytest
+import torch
+
+from autofit.device import CpuDevice, SimulatedDevice
+from autofit.optimizers import needs_closure
+from autofit.reading import Epochs, rng_untouched
+from autofit.replay import StartState, fresh
+
+
+class WithBuffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(3)
+        self.register_buffer("ids", torch.arange(5))
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+def test_a_replay_draws_the_same_random_numbers_and_sees_the_same_buffers_and_groups():
+    model = WithBuffers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.param_groups[0]["count"] = 1
+    start = StartState(model, opt, CpuDevice())
+    start.capture(torch.zeros(2))
+    start.begin()
+    first = torch.rand(3)
+    model(torch.randn(4, 3))
+    opt.param_groups[0]["count"] += 1
+    opt.param_groups[0]["extra"] = True
+    assert model.bn.num_batches_tracked.item() == 1
+    start.begin()  # a replay
+    assert torch.equal(torch.rand(3), first)
+    assert torch.equal(model.bn.running_mean, torch.zeros(3))  # written without a _version bump
+    assert model.bn.num_batches_tracked.item() == 0
+    assert opt.param_groups[0]["count"] == 1 and "extra" not in opt.param_groups[0]
+
+
+def test_static_buffers_are_copied_once_floating_ones_at_every_capture():
+    model = WithBuffers()
+    start = StartState(model, torch.optim.SGD(model.parameters(), lr=0.1), CpuDevice())
+    start.capture(torch.zeros(2))
+    assert start.buffers.copies == 4  # running_mean, running_var, num_batches_tracked, ids
+    start.capture(torch.zeros(2))
+    assert start.buffers.copies == 6  # the two floating ones again
+    model(torch.randn(4, 3))  # num_batches_tracked.add_(1) bumps its version
+    start.capture(torch.zeros(2))
+    assert start.buffers.copies == 9
+
+
+def test_the_batch_comes_back_as_given():
+    model = WithBuffers()
+    start = StartState(model, torch.optim.SGD(model.parameters(), lr=0.1), CpuDevice())
+    batch = {"x": torch.ones(4, 2), "ids": ["a", "b", "c", "d"]}
+    start.capture(batch)
+    got = start.begin()
+    got.pop("x")[:2].mul_(5)  # a loss_fn that pops a field and writes to a slice in place
+    got["ids"].append("e")
+    assert torch.equal(batch["x"][:, 0], torch.tensor([5.0, 5.0, 1.0, 1.0]))
+    again = start.begin()
+    assert torch.equal(again["x"], torch.ones(4, 2)) and again["ids"] == ["a", "b", "c", "d"]
+    assert again is not batch and again["ids"] is not batch["ids"]
+
+
+def test_on_the_simulated_gpu_only_tensors_already_on_it_are_kept():
+    import autofit
+    host = torch.ones(3)
+    with autofit.simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        on_card = torch.zeros(3)
+        start = StartState(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=1), device)
+        before = gpu.memory_allocated()
+        start.capture((host, on_card))
+        assert list(start.kept) == [id(on_card)]
+        assert gpu.memory_allocated() == before  # the copies are host memory
+        start.begin()
+        host.add_(1)  # reached the loss as a copy: written by something else, nothing to restore
+        with pytest.raises(RuntimeError, match=r"a tensor of the batch \(\[3\], torch.float32\) was written"):
+            start.begin()
+
+
+def test_fresh_rebuilds_every_container():
+    from collections import namedtuple
+    Pair = namedtuple("Pair", "a b")
+    t = torch.zeros(1)
+    batch = {"p": Pair(t, [1, 2]), "q": (t,)}
+    got = fresh(batch)
+    assert got == batch and got is not batch and got["p"] is not batch["p"]
+    assert got["p"].b is not batch["p"].b and got["p"].a is t
+
+
+class CountingIterable:
+    def __init__(self):
+        self.iters = 0
+
+    def __iter__(self):
+        self.iters += 1
+        return iter([torch.zeros(2), torch.ones(2)])
+
+
+def test_epochs_read_the_data_once_each_and_the_first_batch_from_the_first_epoch():
+    data = CountingIterable()
+    epochs = Epochs(data, 2)
+    assert data.iters == 1 and torch.equal(epochs.first, torch.zeros(2))
+    assert [b.sum().item() for b in epochs()] == [0.0, 2.0]
+    assert data.iters == 1
+    assert [b.sum().item() for b in epochs()] == [0.0, 2.0]
+    assert data.iters == 2
+
+
+def test_a_one_shot_iterator_is_refused_for_several_epochs_without_reading_it():
+    gen = (torch.zeros(1) for _ in range(2))
+    with pytest.raises(ValueError, match=r"^data is a one-shot iterator \(generator\) but epochs=2"):
+        Epochs(gen, 2)
+    assert len(list(gen)) == 2
+    with pytest.raises(ValueError, match="yielded no batch"):
+        Epochs([], 1)
+
+
+def test_rng_untouched_restores_the_global_rng_and_the_loaders_generators():
+    g = torch.Generator().manual_seed(7)
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=5, shuffle=True, generator=g)
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    expected_order = next(iter(torch.utils.data.DataLoader(
+        list(range(10)), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7))))
+    torch.manual_seed(3)
+    with rng_untouched(loader):
+        next(iter(loader))
+        torch.rand(5)
+    assert torch.equal(torch.rand(2), expected)
+    assert torch.equal(next(iter(loader)), expected_order)
+
+
+class NeedsClosure(torch.optim.SGD):
+    def step(self, closure):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls, expected", [(torch.optim.LBFGS, True), (NeedsClosure, True),
+                                           (torch.optim.SGD, False), (torch.optim.AdamW, False)])
+def test_needs_closure(cls, expected):
+    assert needs_closure(cls([torch.zeros(1, requires_grad=True)], lr=0.1)) is expected
