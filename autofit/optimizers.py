@@ -26,7 +26,7 @@ def needs_closure(optimizer) -> bool:
                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def check_optimizer(optimizer) -> None:
+def check_steppable(optimizer) -> None:
     name = type(optimizer).__name__
     if needs_closure(optimizer):
         raise ValueError(
