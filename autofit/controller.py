@@ -106,7 +106,10 @@ class Controller:
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
                                                   f" fits, searching upward)")
         self.start.capture(batch)  # every attempt of this batch starts from this state
-        outcome = self._retrying(self._attempt, batch, step, global_batch)
+        try:
+            outcome = self._retrying(self._attempt, batch, step, global_batch)
+        finally:
+            self.start.release()  # no reference to the batch outlives its step
         if not outcome.ok:
             failed = [a for a in self.attempts if a.step == step]
             last = failed[-1] if failed else None

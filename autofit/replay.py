@@ -134,6 +134,10 @@ class StartState:
             self.kept = {id(t): t.detach().to("cpu", copy=True)
                          for t, _ in self.versions if self.device.shares(t)}
 
+    def release(self) -> None:
+        """Drop the batch and its copies once its step is over (the buffer copies stay)."""
+        self.given, self.versions, self.kept = None, [], {}
+
     def begin(self):
         """The batch as given, in fresh containers; before a replay, the start state is restored."""
         if self.attempts:
