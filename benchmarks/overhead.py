@@ -15,6 +15,11 @@ Table 2: the same plain loop inside `autofit.simulate_gpu()` (counting every sto
 against outside it; and, for reference, `autofit.run` on a simulated GPU with no budget and with an
 ample budget (where the atomic optimizer step decides whether it needs a host snapshot).
 
+Table 3: what making every attempt start from the same state costs per step (autofit.replay's
+StartState: capture of the RNG, the buffers, the param_groups and the batch, then the first
+attempt's begin and the release), timed alone on the same model, against the plain loop's step.
+`--replay-only` prints this table alone.
+
 torch.set_num_threads(1) throughout, for stable timings on a shared machine.
 """
 
@@ -97,6 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per repeat")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, per repeat")
+    parser.add_argument("--replay-only", action="store_true", help="print table 3 alone")
     args = parser.parse_args(argv)
     setup()
     with tempfile.TemporaryDirectory(prefix="autofit-bench-") as cache:
@@ -104,9 +110,43 @@ def main(argv=None) -> int:
         return measure_and_print(args)
 
 
+def replay_cost(batches, repeats: int):
+    """(median, best) seconds of one step's StartState work, and the plain step's median."""
+    from autofit.device import CpuDevice
+    from autofit.replay import StartState
+    model = build()
+    model.train()
+    opt = adamw(model.parameters())
+    start = StartState(model, opt, CpuDevice())
+    plain_step(model, opt, batches[0])  # the optimizer state exists, as in a steady run
+    costs, steps = [], []
+    for _ in range(repeats):
+        for b in batches:
+            t0 = time.perf_counter()
+            start.capture(b)
+            start.begin()
+            start.release()
+            t1 = time.perf_counter()
+            plain_step(model, opt, b)  # the step writes the buffers a next capture may copy
+            costs.append(t1 - t0)
+            steps.append(time.perf_counter() - t1)
+    return median(costs), min(costs), median(steps)
+
+
+def print_replay_cost(batches, repeats: int) -> None:
+    cost, best, step = replay_cost(batches, repeats)
+    print("Table 3. per-step cost of starting every attempt from the same state (replay.StartState)")
+    print(table(["work", "median us", "best us", "share of a plain step"],
+                [["capture + begin + release", cost * 1e6, best * 1e6, f"{cost / step:.2%}"],
+                 ["plain loop step (for scale)", step * 1e6, "", "100%"]]))
+
+
 def measure_and_print(args) -> int:
     print_environment("autofit overhead benchmark")
     batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
+    if args.replay_only:
+        print_replay_cost(batches, args.repeats)
+        return 0
     n_params = sum(p.numel() for p in build().parameters())
     print(f"model: BertForSequenceClassification, hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, vocab "
           f"{VOCAB}, {n_params / 1e6:.2f} M parameters, random init, dropout 0")
@@ -158,6 +198,8 @@ def measure_and_print(args) -> int:
     print(f"autofit.run with a budget vs the plain loop, both on the simulated GPU: ratio "
           f"{paired(times, names[3], names[1], 'cpu'):.3f} CPU, "
           f"{paired(times, names[3], names[1], 'wall'):.3f} wall (medians of per-repeat ratios)")
+    print()
+    print_replay_cost(batches, args.repeats)
     print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
     return 0
 
