@@ -39,8 +39,10 @@ Known differences from a card, all small or covered by `rank`'s margin and calib
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -57,6 +59,24 @@ from .step import StepRunner
 
 DEVICE_TYPES = ("cuda", "cpu")
 SCALER_BYTES = 2 * 512  # GradScaler's scale and growth tracker, which an fp16 plan adds
+# torch logs a traceback of its own when a fake kernel fails (~25 lines for one Mixtral step); the
+# estimator's caller reports the failure once, so these are silenced while it runs.
+TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                 "torch._dynamo", "torch._functorch", "torch._guards")
+
+
+@contextlib.contextmanager
+def silenced_torch_logs():
+    """torch's fake-tensor and symbolic-shape loggers say nothing inside; their levels are restored."""
+    loggers = [logging.getLogger(name) for name in TORCH_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,48 @@ class MemoryEstimate:
     def describe(self, budget: int | None = None) -> str:
         """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
         return format_breakdown(self.breakdown, budget)
+
+
+def upper_bound(n) -> int:
+    """An int, or the largest value a data-dependent size can take (the rows a boolean mask may
+    select: all of them), which is what the memory must allow for."""
+    if isinstance(n, int):
+        return n
+    bound = n.node.shape_env.bound_sympy(n.node.expr).upper
+    if not bound.is_finite:
+        raise ValueError(f"a tensor's size depends on its data with no upper bound ({n.node.expr}); "
+                         f"the estimator cannot size it.")
+    return int(bound)
+
+
+class _Hints(dict):
+    """A value for every data-dependent symbol, looked up when torch must decide a branch on one
+    (torch's real-tensor propagation reads its values from this mapping; here they are hints):
+    a size (the rows a mask selects, a nonzero count) is its upper bound, the memory to allow for;
+    any other value (`.item()`, `.any()`) is 0 within its range, the path of a check that passes."""
+
+    def __init__(self, shape_env):
+        super().__init__()
+        self.shape_env = shape_env
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __contains__(self, symbol) -> bool:
+        return super().__contains__(symbol) or (symbol in self.shape_env.var_to_range
+                                                and symbol not in self.shape_env.backed_var_to_val)
+
+    def __getitem__(self, symbol):
+        if super().__contains__(symbol):
+            return super().__getitem__(symbol)
+        bounds = self.shape_env.var_to_range[symbol]
+        if symbol in self.shape_env.size_like and bounds.upper.is_finite:
+            value = bounds.upper
+        else:
+            value = min(max(sympy.Integer(0), bounds.lower), bounds.upper)
+        value = sympy.Integer(value) if symbol.is_integer else sympy.Float(value)
+        self[symbol] = value  # the same answer every time it is asked
+        return value
 
 
 # -- the counter, with a kind per storage ------------------------------------------------------
@@ -128,6 +190,9 @@ class _Meter(SimulatedGPU):
             yield
         finally:
             self.kind = previous
+
+    def _storage_bytes(self, storage) -> int:
+        return upper_bound(storage.nbytes())
 
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -204,8 +269,11 @@ class Estimator:
         self.rows = batch_size(batch)  # raises on a batch that cannot be split
         self.device_type, self.loss_fn = device_type, loss_fn
         self.estimates = 0  # how many plans were measured
-        # A shape environment only so that the step's closing `loss.item()` gives a symbol.
-        self.mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+        # A shape environment so that values read from data (`loss.item()`, a mask's row count)
+        # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
+        shape_env = ShapeEnv()
+        shape_env.real_tensor_prop_unbacked_vals = _Hints(shape_env)
+        self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
         with self._quiet(), self.mode:
             self.model, fakes = fake_model(model)
             self.model.train()
@@ -223,6 +291,7 @@ class Estimator:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.device("cpu"))
+        stack.enter_context(silenced_torch_logs())
         return stack
 
     def _state(self) -> list[torch.Tensor]:

@@ -232,11 +232,11 @@ def test_probe_a_batch_the_model_cannot_take(capsys, user_module):
     code = main(["probe", "--gpu-mem", "2GiB", "--model", "af_cli_user:bad_batch", "--batch-size", "4",
                  "--seq-len", "8"])
     out, err = capsys.readouterr()
-    assert code == 2
+    assert code == 1  # no prediction, as for no fit; 2 is for bad usage only
     assert out == ""
-    assert err.startswith("autofit: error: estimating a training step of af_cli_user:bad_batch on its sample "
-                          "batch (BertForSequenceClassification, 0.17M parameters; batch input_ids[4, 8], "
-                          "pixel_values[4, 3]) failed: ")
+    assert err.startswith("autofit: cannot estimate this model: a training step of af_cli_user:bad_batch on "
+                          "its sample batch (BertForSequenceClassification, 0.17M parameters; batch "
+                          "input_ids[4, 8], pixel_values[4, 3]) failed: ")
     assert len(err.splitlines()) == 1
 
 
