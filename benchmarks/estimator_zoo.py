@@ -64,9 +64,9 @@ def main() -> None:
         try:
             est = estimate(model, batch, plan, device_type="cpu")
             predicted = est.peak_bytes
-            outcome = "fake tensors" if est.method == "fake" else f"sampled: {heard[0][:90]}"
+            outcome = "fake tensors" if est.method == "fake" else f"sampled: {heard[0][:60]}"
         except Exception as error:  # what the capacity check would log before falling back
-            predicted, outcome = None, f"fallback: {one_line(error)[:90]}"
+            predicted, outcome = None, f"fallback: {one_line(error)[:60]}"
         measured = measured_peak(build(0)[0], batch, plan)
         error = "" if predicted is None else f"{(predicted - measured) / measured:+.2%}"
         rows.append([name, type(model).__name__, f"{sum(p.numel() for p in model.parameters()) / 1e3:.1f}k",

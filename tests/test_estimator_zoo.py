@@ -88,14 +88,7 @@ def test_does_not_fit_from_the_check_is_still_a_verdict():
 
 def test_torch_error_logs_are_silenced_during_estimation_and_levels_restored():
     """A fake kernel that fails makes torch log its traceback (~25 lines for a Mixtral step)."""
-    class Failing(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):  # the meta kernel of grouped_mm refuses fp32: a fake-kernel error
-            return torch._grouped_mm(x.unsqueeze(0), self.w.unsqueeze(0)).sum()
-
+    model, batch = zoo()["mixtral"](0)  # torch's fake grouped_mm refuses fp32
     heard = []
     handler = logging.Handler()
     handler.emit = heard.append
@@ -103,10 +96,10 @@ def test_torch_error_logs_are_silenced_during_estimation_and_levels_restored():
     levels = [lg.level for lg in loggers]
     loggers[0].addHandler(handler)
     try:
-        with pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
-            estimate(Failing(), torch.randn(2, 4), Plan(2), device_type="cpu")
+        est = estimate(model, batch, Plan(4), device_type="cpu")
     finally:
         loggers[0].removeHandler(handler)
+    assert est.method == "sampled"  # the fake kernel failed (and torch logged it, unsilenced)
     assert heard == []
     assert [lg.level for lg in loggers] == levels
 
