@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batches import batch_size as rows_of
-from .batches import dataset_batches, peek, token_counter
+from .batches import dataset_batches, peek
 from .controller import Attempt, Controller
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
@@ -23,6 +23,7 @@ from .memo import Memo
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from .plan import PRECISIONS, Plan
 from .step import StepRunner
+from .token_loss import loss_weighting
 
 log = logging.getLogger("autofit")
 
@@ -179,10 +180,11 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes) if lockstep else choose()
         moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
-        count_tokens = token_counter(model) if loss_fn is None else None
+        weighting = loss_weighting(model, lockstep.local(first) if lockstep else first, loss_fn, device)
+        count_tokens = weighting.count if loss_fn is None else None  # ranks weigh by shares
         if lockstep is None:
             runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
-                                count_tokens=count_tokens)
+                                weighting=weighting)
         else:
             runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=ddp, scheduler=sched,
                                            loss_fn=loss_fn, count_tokens=count_tokens)
