@@ -12,12 +12,13 @@ import torch
 from .batches import batch_size as rows_of
 from .batches import dataset_batches, peek
 from .controller import Attempt, Controller
+from .coupling import Coupling
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
 from .errors import DoesNotFit
 from .eval_data import check_eval_data
 from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
-from .ladder import SizeLog, as_move, default_ladder
+from .ladder import SizeLog, as_move
 from .leaks import LeakWatch
 from .memo import Memo
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
@@ -41,6 +42,7 @@ class RunResult:
     eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
     leaks: list = field(default_factory=list)  # autofit.leaks findings: {"kind", "culprit", "bytes", "fix"}
     tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
+    batch_coupled: list = field(default_factory=list)  # names of modules a split changes (BatchNorm)
 
     @property
     def oom_attempts(self) -> int:
@@ -91,7 +93,7 @@ def build_optimizer(optimizer, model):
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", ladder=None, cache=True, progress=True,
-        metric_fn=None, capacity_check=True, tune=False):
+        metric_fn=None, capacity_check=True, tune=False, allow_split=True):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -102,6 +104,11 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     Under torch.distributed (e.g. torchrun) every rank calls `run` with the same data: DDP runs the
     model, each rank trains its share of every global batch, and all ranks keep the same plan
     (see autofit.distributed).
+
+    `allow_split=False` never splits a global batch into micro-batches (what a model with
+    BatchNorm needs to compute exactly what a plain loop computes); when no whole-batch plan fits,
+    DoesNotFit says so. A model with batch-coupled layers (autofit.coupling) walks a ladder that
+    keeps the batch whole first either way.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
@@ -112,6 +119,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         tune_options = run_options(tune)
     if precision not in PRECISION_POLICIES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    if not isinstance(allow_split, bool):
+        raise TypeError(f"allow_split must be True or False but got {allow_split!r}.")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     first, epoch_batches = global_batches(data, batch_size, epochs)
@@ -138,6 +147,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
             model, ddp = lockstep.wrap(model, device)
         was_training = model.training
         model.train()
+        coupling = Coupling(model, allow_split)  # says so once
         opt, own_optimizer = build_optimizer(optimizer, model)
         device.place_optimizer(opt)  # a warm optimizer's state counts against the budget
         sched = scheduler(opt) if scheduler is not None else None
@@ -179,7 +189,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes) if lockstep else choose()
-        moves = user_ladder or default_ladder(sizes, precision, device.supports_bf16())
+        start, reason = coupling.start(start, reason, first_rows)
+        moves = coupling.ladder(sizes, precision, device.supports_bf16(), user_ladder)
         weighting = loss_weighting(model, lockstep.local(first) if lockstep else first, loss_fn, device)
         count_tokens = weighting.count if loss_fn is None else None  # ranks weigh by shares
         if lockstep is None:
@@ -190,7 +201,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                                            loss_fn=loss_fn, count_tokens=count_tokens)
         controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
                                 settle_within=settle_within)
-        result = RunResult(plan=start, device=device.describe(), budget=device.budget, tune=tuned)
+        result = RunResult(plan=start, device=device.describe(), budget=device.budget, tune=tuned,
+                           batch_coupled=list(coupling.names))
         watch = LeakWatch(runner)  # batches handed over on the device; memory kept across steps
         watch.check_batch(first, data)
         sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
@@ -201,6 +213,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                             start_batch_size=EVAL_START_FACTOR * controller.plan.micro_batch_size)
             result.eval_attempts.extend(done.attempts)
             result.eval_history.append(done.record(epoch))
+        coupling.guard()  # a recompute in backward leaves running statistics as they were; until close()
         try:
             _train(controller, epoch_batches, epochs, result, progress,
                    evaluation if eval_data is not None else None, shard, watch)
@@ -209,11 +222,14 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
             memo.remember(controller.plan, sizes, controller.attempts,
                           sum(h["samples"] for h in result.history))
         except DoesNotFit as error:
+            if coupling.refusal():
+                error.args = (f"{coupling.refusal()}\n{error.args[0]}",)
             error.leaks = watch.findings  # explain(error) names what the user's code kept
             raise
         finally:
             result.leaks = watch.findings
             runner.close()
+            coupling.close()
             if lockstep is not None:
                 lockstep.close()
             if not was_training:
