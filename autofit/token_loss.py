@@ -6,9 +6,10 @@ global batch's tokens, not of its rows. Hugging Face models say how they count: 
 takes `num_items_in_batch` divides its summed loss by it, so handing every micro-batch the global
 batch's count makes the micro losses add up to the full-batch mean (each micro-batch then weighs
 1). Which models honour it is found out, not guessed from class names: a forward that accepts the
-keyword (`**kwargs` included, after unwrapping `torch.compile` and DDP) is probed once on two rows
-in eval mode, with the RNG forked, and the ratio of its loss with `num_items_in_batch=1` to its
-plain loss is the number of tokens it counts (shifted by one for causal LMs, or 1: ignored).
+keyword (`**kwargs` included, after unwrapping `torch.compile` and DDP) is probed once, unwrapped,
+on two rows of the first batch's tensors (labels set to 0, so every one counts) in eval mode under
+no_grad with the RNG forked; the ratio of its loss with `num_items_in_batch=1` to its plain loss is
+the number of labels it counts (shifted by one for causal LMs), or 1 when it ignores the count.
 
 A `loss_fn` that takes a `num_items_in_batch` keyword gets the same global count (the model's
 count when the model honours it, else the labels that are not -100, or the rows when the batch has
@@ -117,20 +118,24 @@ def probe_counting(model, batch, device) -> str | None:
     labels = labels_of(batch)
     if labels is None or labels.dim() == 0 or batch_size(batch) < 2:
         return None
+    model = unwrap(model)  # counting is the module's; no DDP collective, no compilation for a probe
     was_training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), device.host():
-            part = dict(slice_batch(batch, 0, 2))
+            # Tensors only: other fields are the loss_fn's business (ids, metadata).
+            part = {k: v for k, v in slice_batch(batch, 0, 2).items() if isinstance(v, torch.Tensor)}
             if not part["labels"].is_floating_point():
                 part["labels"] = torch.zeros_like(part["labels"])  # every label counts: the counts differ
             unshifted = part["labels"].numel()
             shifted = part["labels"][..., 1:].numel() if part["labels"].dim() >= 2 else None
             model.eval()
             part = device.to_device(part)
-            mean = _loss(model(**part))
+            # forward itself, not __call__: hooks the user put on the model (step counters, fault
+            # injection) see training forwards only
+            mean = _loss(model.forward(**part))
             one = torch.ones((), dtype=torch.long, device=mean.device) if mean is not None else 1
-            summed = _loss(model(**part, **{ITEMS: one}))
+            summed = _loss(model.forward(**part, **{ITEMS: one}))
             mean, summed = [None if x is None else x.item() for x in (mean, summed)]
     except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
         log.info("num_items_in_batch probe of %s failed (%s: %s); micro-batches are weighted without it",
