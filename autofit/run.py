@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from .batches import batch_size as rows_of
 from .controller import Attempt
 from .eval_data import check_eval_data
-from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import PRECISION_POLICIES, build_optimizer, global_batches  # noqa: F401 (their old home)
 from .inputs import check_optimizer, check_training_options
 from .inputs import check_positive_int as _check_positive_int
@@ -90,12 +89,9 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         result = RunResult(plan=training.plan, device=training.device.describe(),
                            budget=training.device.budget, tune=tuned,
                            batch_coupled=list(training.coupling.names))
-        sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
 
         def evaluation(epoch):
-            done = evaluate(training.model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn,
-                            device=training.device, sizer=sizer, expect_like=first, progress=progress,
-                            start_batch_size=EVAL_START_FACTOR * training.plan.micro_batch_size)
+            done = training.evaluate(eval_data, metric_fn=metric_fn, expect_like=first, progress=progress)
             result.eval_attempts.extend(done.attempts)
             result.eval_history.append(done.record(epoch))
         try:

@@ -22,6 +22,7 @@ from .coupling import Coupling
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
 from .errors import DoesNotFit
+from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import build_optimizer, build_scheduler, check_training_options
 from .ladder import SizeLog, as_move
 from .leaks import LeakWatch
@@ -56,8 +57,10 @@ class Training:
         self.user_ladder = None if ladder is None else as_move(ladder)
         self.sizes = SizeLog()
         self.controller = self.runner = self.watch = self.memo = None
+        self.closed = False
         self.findings: list[dict] = []  # autofit.leaks findings, kept after the watch is gone
         self.step = 0             # global batches trained
+        self.sizer = EvalSizer()  # the evaluation batch that worked, kept from one evaluation to the next
         self.samples = 0
 
     # -- setup and cleanup ---------------------------------------------------------------------
@@ -168,6 +171,14 @@ class Training:
         self.samples += rows_of(batch)
         return loss
 
+    def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
+        """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
+        (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
+        start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
+        return evaluate(self.model, data, loss_fn=self.loss_fn, metric_fn=metric_fn, device=self.device,
+                        sizer=self.sizer, expect_like=expect_like, progress=progress,
+                        start_batch_size=start)
+
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if error is None:
@@ -190,6 +201,7 @@ class Training:
 
     def _close(self) -> None:
         """Hand the model and optimizer back as a plain loop would leave them."""
+        self.closed = True
         if self.runner is not None:
             self.runner.close()
         if self.coupling is not None:
