@@ -67,14 +67,13 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
                         progress=progress, capacity_check=capacity_check, allow_split=allow_split)
-    lockstep, progress = training.lockstep, training.progress
-    if tune_options is not None and lockstep is not None:
+    progress = training.progress
+    if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
-    if lockstep is not None:
-        if batch_size is not None:
-            lockstep.check_dataset(len(data), batch_size)
-        training.rows(first)  # a global batch that cannot be split over the ranks fails now
+    if batch_size is not None:
+        training.lockstep.check_dataset(len(data), batch_size)
+    training.rows(first)  # a global batch that cannot be split over the ranks fails now
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
 
