@@ -61,6 +61,7 @@ POLICIES = {"lower_precision_fp": LOWER_PRECISION, "fp32": FP32,
 
 _NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU)
 _lock = threading.Lock()
+_KERNELS: dict = {}  # op -> its kernel, made once (registering again reuses it)
 _state = {"users": 0, "library": None, "dropout": None, "modes": weakref.WeakSet()}
 
 
@@ -101,6 +102,16 @@ def _floats(obj):
 
 
 def _kernel(op, policy: str):
+    kernel = _KERNELS.get(op)
+    if kernel is None:
+        kernel = _KERNELS[op] = _make_kernel(op, policy)
+    return kernel
+
+
+def _make_kernel(op, policy: str):
+    names = [a.name for a in op._schema.arguments]
+    dtype_at = names.index("dtype") if "dtype" in names else None
+
     def run(*args, **kwargs):
         if _ours(args):
             if policy == "lower_precision_fp":
@@ -110,9 +121,14 @@ def _kernel(op, policy: str):
                 args = _cast(args, torch.float32)
                 kwargs = {k: _cast(v, torch.float32) for k, v in kwargs.items()}
             elif policy == "fp32_set_opt_dtype":
+                positional = dtype_at is not None and len(args) > dtype_at
+                given = args[dtype_at] if positional else kwargs.get("dtype")
                 first = next(_floats(args), None)
-                if kwargs.get("dtype") is None and first is not None and first.dtype != torch.float32:
-                    kwargs = {**kwargs, "dtype": torch.float32}
+                if given is None and first is not None and first.dtype != torch.float32:
+                    if positional:
+                        args = args[:dtype_at] + (torch.float32,) + args[dtype_at + 1:]
+                    else:
+                        kwargs = {**kwargs, "dtype": torch.float32}
             else:  # promote
                 dtypes = [t.dtype for t in _floats((args, list(kwargs.values())))]
                 if len(set(dtypes)) > 1:
