@@ -139,6 +139,9 @@ class SimulatedGPU:
             if entry[2] is not None:
                 self.allocator.free(entry[2])
 
+    def _storage_bytes(self, storage) -> int:
+        return storage.nbytes()
+
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
         fresh = []
         given = None  # storages of the op's inputs: outputs that share one were not allocated by it
@@ -148,7 +151,7 @@ class SimulatedGPU:
                 continue
             storage = t.untyped_storage()
             key = id(storage)
-            nbytes = -(-storage.nbytes() // ROUNDING) * ROUNDING
+            nbytes = -(-self._storage_bytes(storage) // ROUNDING) * ROUNDING
             known = live.get(key)
             if known is not None:
                 if known[1] != nbytes:  # resized in place (out= ops, resize_)
