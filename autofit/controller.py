@@ -28,6 +28,10 @@ from .sizes import format_size
 log = logging.getLogger("autofit")
 
 CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
+# A failure this run recorded is forgotten after this many good global steps (then twice as many
+# each time it comes back), so one bad moment (fragmentation, another process) is not a verdict
+# for the rest of the run: the micro-batch search probes above it again. See README, "The ladder".
+EXPIRE_AFTER = 100
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class Controller:
     def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int = 64,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False):
+                 quiet: bool = False, expire_after: int | None = None):
         self.runner, self.ladder = runner, ladder
         self.device, self.model = runner.device, runner.model
         self.sizes = sizes if sizes is not None else SizeLog()
@@ -79,6 +83,14 @@ class Controller:
         self.on_attempt = on_attempt
         self.quiet = quiet  # progress=False: no step-down logging either
         self.attempts: list[Attempt] = []
+        # What this run proved (sizes that trained a global batch): a failure of one of them is
+        # retried once before it counts, since it fitted rows this long before.
+        self.proven = SizeLog()
+        self._retried: set = set()        # (step, plan) already given their one retry
+        self._failed: list = []           # (plan, length) failures this run recorded, until they expire
+        self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
+        self._good_steps = 0              # good global steps since the last recorded failure
+        self._good_total = 0              # good global steps of this run
         self.next_plan: Plan | None = None
         self._next_reason = ""
         self._retrying = Retrying(
@@ -155,7 +167,11 @@ class Controller:
         if failure is None:
             self._record(Attempt(plan, "ok", reason, peak, step))
             self.sizes.record(plan, True, global_batch)
+            if self._good_total:  # the run's first step made the optimizer state: it proves less
+                self.proven.record(plan, True, global_batch, length=self.sizes.length)
+            self._good_total += 1
             self.reason = "kept: fitted the previous global batch"
+            self._expire()
             return _Outcome(True, loss)
         # Out of the except block: the failed attempt's frames are gone; free what they held.
         text, where, memory = failure
@@ -163,9 +179,45 @@ class Controller:
         release(self.device, model=self.model, optimizer=self.runner.optimizer)
         self._check_baseline(baseline)
         self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
+        if self._retry_once(plan, step, global_batch, text):
+            return _Outcome(False)
         self.sizes.record(plan, False, global_batch)
+        self._failed.append((plan.with_micro_batch(plan.micro_batch_size, global_batch), self.sizes.length))
+        self._good_steps = 0
         self._step_down(plan, global_batch, text)
         return _Outcome(False)
+
+    def _retry_once(self, plan: Plan, step: int, global_batch: int, text: str) -> bool:
+        """A size this run proved at this row length (on a step after the first, with the optimizer
+        state in place) that fails now may have met a transient shortage: replay the same plan
+        once, after release, before the failure counts."""
+        proven = self.proven.fit(plan, self.sizes.length)
+        if proven is None or proven < min(plan.micro_batch_size, global_batch) \
+                or (step, plan) in self._retried:
+            return False
+        self._retried.add((step, plan))
+        self._fallback = None
+        self.next_plan = plan
+        self.reason = ("retry: this micro-batch trained rows this long before, so the failure may be "
+                       "transient; retried once after release before it counts")
+        if not self.quiet:
+            log.warning("out of memory under %s (%s), which fitted rows this long before; retrying it "
+                        "once after release", plan.describe(), text)
+        return True
+
+    def _expire(self) -> None:
+        """After `expire_after` good global steps, forget the failures this run recorded (and wait
+        twice as long next time), so the search probes above them again."""
+        self._good_steps += 1
+        if not self._failed or self._good_steps < self.expire_after:
+            return
+        for plan, length in self._failed:
+            self.sizes.forget_fail(plan, length)
+        if not self.quiet:
+            log.info("%d out-of-memory failure(s) expired after %d good steps; probing above them again",
+                     len(self._failed), self._good_steps)
+        self._failed, self._good_steps = [], 0
+        self.expire_after *= 2
 
     def _step_down(self, plan: Plan, global_batch: int, text: str) -> None:
         fallback, self._fallback = self._fallback, None

@@ -68,6 +68,15 @@ class SizeLog:
         if not fits:
             self.fits.pop(key, None)
 
+    def forget_fail(self, plan: Plan, length=EVERY) -> None:
+        """Forget the failure of `plan`'s size at `length` (an expired failure), if still recorded."""
+        at = 0 if length is EVERY else length
+        fails = self.fails.get(config_of(plan), {})
+        if fails.get(at) == plan.micro_batch_size:
+            del fails[at]
+            if not fails:
+                self.fails.pop(config_of(plan), None)
+
     def settle(self, plan: Plan, length=None) -> None:
         """`plan`'s micro-batch is the largest that fits its configuration at `length`: no probe
         above it there (a cached or tuned plan)."""
