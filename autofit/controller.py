@@ -19,7 +19,7 @@ from tenacity.stop import stop_base
 from .batches import batch_size, row_elements
 from .device import describe_tensors
 from .errors import DoesNotFit, MemoryNotReleased
-from .ladder import SizeLog
+from .ladder import SizeLog, step_down
 from .memory import by_kind
 from .oom import is_oom, release, summarize
 from .plan import Plan
@@ -44,8 +44,9 @@ class Attempt:
     peak_bytes: int
     step: int = 0           # the global step (0-based) the attempt belonged to
     error: str = ""         # the OOM message, for outcome "oom"
-    where: str = ""         # "forward/backward" or "optimizer.step", for outcome "oom"
-    memory: dict = field(default_factory=dict)  # bytes by kind at the failure
+    where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
+    memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
+                                                # optimizer step's own temporaries, for its phases)
 
     def describe(self) -> str:
         text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
@@ -91,6 +92,7 @@ class Controller:
         self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
         self._good_steps = 0              # good global steps since the last recorded failure
         self._good_total = 0              # good global steps of this run
+        self._said: set = set()           # reasons for skipping a move, each said once
         self.next_plan: Plan | None = None
         self._next_reason = ""
         self._retrying = Retrying(
@@ -155,13 +157,19 @@ class Controller:
         except Exception as error:
             if not is_oom(error):
                 raise
-            where = "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward"
+            where = getattr(self.runner, "phase", "") or (
+                "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward")
             memory = by_kind(self.device, self.model, self.runner.optimizer)
             # Held before the attempt but neither weights nor this optimizer's state: a previous
             # phase's optimizer, batches parked on the device, tensors kept across steps.
             memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"], 0),
                                   memory["activations"])
             memory["activations"] -= memory["other"]
+            at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
+            if where.startswith("optimizer") and at_failure is not None:
+                # The step's temporaries (and state it made) are gone by now: what it held when it
+                # failed is the memory at the failure less what is still here.
+                memory["step"] = max(at_failure - sum(memory.values()), 0)
             failure = (summarize(error), where, memory)
         peak = self.runner.attempt_peak()
         if failure is None:
@@ -184,7 +192,7 @@ class Controller:
         self.sizes.record(plan, False, global_batch)
         self._failed.append((plan.with_micro_batch(plan.micro_batch_size, global_batch), self.sizes.length))
         self._good_steps = 0
-        self._step_down(plan, global_batch, text)
+        self._step_down(plan, global_batch, text, where)
         return _Outcome(False)
 
     def _retry_once(self, plan: Plan, step: int, global_batch: int, text: str) -> bool:
@@ -219,12 +227,12 @@ class Controller:
         self._failed, self._good_steps = [], 0
         self.expire_after *= 2
 
-    def _step_down(self, plan: Plan, global_batch: int, text: str) -> None:
+    def _step_down(self, plan: Plan, global_batch: int, text: str, where: str = "") -> None:
         fallback, self._fallback = self._fallback, None
         if fallback is not None and not self.sizes.known_to_fail(fallback):
             new, why = fallback, "back to the largest micro-batch known to fit"
         else:
-            new, why = self._next_down(plan, global_batch)
+            new, why = self._next_down(plan, global_batch, where)
         self.next_plan = new
         if new is None:
             if not self.quiet:
@@ -236,13 +244,22 @@ class Controller:
                         plan.describe(), text, new.describe(), why)
         self.plan, self.reason = new, why
 
-    def _next_down(self, plan: Plan, global_batch: int):
+    def _next_down(self, plan: Plan, global_batch: int, where: str = ""):
+        """The next plan down: the moves for the phase that failed first (where the runner's phases
+        are the same on every rank), skipping moves that do not apply to this job."""
         current, seen = plan, {plan}
+        phase = where if getattr(self.runner, "phase_steers_ladder", False) else ""
+        applies = getattr(self.runner, "not_applicable", None)
         while True:
-            taken = self.ladder.take(current)
-            if taken is None:
+            new, why, skipped = step_down(self.ladder, current, phase, applies)
+            for move, reason in skipped:
+                if reason not in self._said:
+                    self._said.add(reason)
+                    why = f"{why} ({move!r} skipped: {reason})" if new is not None else why
+                    if not self.quiet:
+                        log.warning("%s; the ladder goes on without it", reason)
+            if new is None:
                 return None, ""
-            new, why = taken
             new = new.with_micro_batch(new.micro_batch_size, global_batch)
             if new in seen:
                 return None, ""  # a move that goes round in circles has no step left
