@@ -17,10 +17,11 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
 from .batches import batch_size, row_elements
-from .device import describe_tensors
+from .device import _tensors, describe_tensors
 from .errors import DoesNotFit, MemoryNotReleased
 from .ladder import SizeLog, step_down
-from .memory import by_kind
+from .leaks import on_device_predicate
+from .memory import by_kind, storage_bytes
 from .oom import is_oom, release, summarize
 from .plan import Plan
 from .sizes import format_size
@@ -151,6 +152,7 @@ class Controller:
     def _attempt(self, batch, step: int, global_batch: int) -> _Outcome:
         plan, reason = self.plan, self.reason
         baseline = self.device.memory_allocated()
+        owned = self._owned() if self.device.counts else 0
         failure = None
         try:
             loss = self.runner.run(batch, plan)
@@ -162,9 +164,14 @@ class Controller:
             memory = by_kind(self.device, self.model, self.runner.optimizer)
             # Held before the attempt but neither weights nor this optimizer's state: a previous
             # phase's optimizer, batches parked on the device, tensors kept across steps.
-            memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"], 0),
+            # The global batch autofit read onto the device is not the user's to free.
+            batch_bytes = storage_bytes(_tensors(batch), on_device=on_device_predicate(self.device))
+            memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"] - batch_bytes, 0),
                                   memory["activations"])
             memory["activations"] -= memory["other"]
+            if batch_bytes:
+                memory["batch"] = min(batch_bytes, memory["activations"])
+                memory["activations"] -= memory["batch"]
             at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
             if where.startswith("optimizer") and at_failure is not None:
                 # The step's temporaries (and state it made) are gone by now: what it held when it
@@ -185,7 +192,7 @@ class Controller:
         text, where, memory = failure
         self.runner.abandon()
         release(self.device, model=self.model, optimizer=self.runner.optimizer)
-        self._check_baseline(baseline)
+        self._check_baseline(baseline, owned)
         self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
         if self._retry_once(plan, step, global_batch, text):
             return _Outcome(False)
@@ -275,9 +282,18 @@ class Controller:
         fit = self.plan.micro_batch_size
         return ceiling is None or (ceiling - 1 - fit) > fit * self.settle_within
 
-    def _check_baseline(self, baseline: int) -> None:
+    def _owned(self) -> int:
+        """Device bytes of the model's parameters and buffers and of the optimizer's state."""
+        held = by_kind(self.device, self.model, self.runner.optimizer)
+        return held["params"] + held["optimizer"]
+
+    def _check_baseline(self, baseline: int, owned: int = 0) -> None:
         slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
         extra = self.device.memory_allocated() - baseline
+        if extra > slack and self.device.counts:
+            # Buffers and parameters the model made during the attempt (a lazily registered
+            # buffer, a LazyLinear) belong to the model, not to the failed attempt.
+            extra -= max(self._owned() - owned, 0)
         if extra <= slack:
             return
         known = {id(t.untyped_storage()) for t in self.model.parameters()}

@@ -66,7 +66,8 @@ def fixes_for(memory: dict, plan, budget: int | None = None, where: str = "") ->
         return []
     params, grads, optimizer, activations, other = (int(memory.get(k, 0)) for k in KINDS)
     step = int(memory.get("step", 0))  # the optimizer step's temporaries, for its phases
-    total = sum(int(memory.get(k, 0)) for k in KINDS) + step
+    # "batch": the global batch autofit read onto the device; part of the step, never the user's
+    total = sum(int(memory.get(k, 0)) for k in KINDS) + step + int(memory.get("batch", 0))
     limit = budget or total
     limit_words = f"the {format_size(budget)} budget" if budget else \
         f"the {format_size(total)} in use at the failure"

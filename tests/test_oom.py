@@ -247,3 +247,34 @@ def test_a_partial_update_is_never_an_oom():
         raise RuntimeError("a library wrapped it") from wrapped
     except RuntimeError as outer:
         assert is_oom(outer) is False
+
+
+def test_a_buffer_the_model_registers_during_a_failed_attempt_belongs_to_the_model():
+    """A model that makes a buffer on its first forward, then runs out of memory: the buffer is the
+    model's (kept, not reported as memory the attempt failed to release)."""
+    import autofit
+
+    class LazyTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+            self.failed = False
+
+        def forward(self, x):
+            if not hasattr(self, "table"):
+                self.register_buffer("table", torch.ones(4096))  # 16 KiB made on the device
+            if not self.failed:
+                self.failed = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+            return self.fc(x) * self.table[:3]
+
+    torch.manual_seed(0)
+    model = LazyTable()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g))]
+    result = autofit.run(model, data, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                         budget="64MiB", cache=False, progress=False, capacity_check=False,
+                         ladder=lambda p: p.replace(micro_batch_size=2, accumulation_steps=2)
+                         if p.micro_batch_size > 2 else None)
+    assert [(a.outcome, a.plan.micro_batch_size) for a in result.attempts] == [("oom", 4), ("ok", 2)]
+    assert model.table.shape == (4096,)
