@@ -166,8 +166,9 @@ class StepRunner:
         return total
 
     def _phased(self, step):
-        """`step` that sets the phase: "optimizer.state" while a first step has state to create
-        (until it is all made), "optimizer.step" for the update itself."""
+        """`step` that sets the phase: "optimizer.step" around it (clipping included);
+        "optimizer.state" from the moment the optimizer itself starts a step with state to create
+        (its pre-hook) until that state is all made."""
         optimizer = self.optimizer
 
         def missing() -> bool:
@@ -175,14 +176,21 @@ class StepRunner:
                 p.grad is not None and not optimizer.state.get(p)
                 for g in optimizer.param_groups for p in g["params"])
 
+        def starting(*_):
+            if missing():
+                self.phase = "optimizer.state"
+
         def run():
-            self.phase = "optimizer.state" if missing() else "optimizer.step"
+            self.phase = "optimizer.step"
+            hook = optimizer.register_step_pre_hook(starting)
             try:
                 step()
             except BaseException:
                 if self.phase == "optimizer.state" and not missing():
                     self.phase = "optimizer.step"  # the state was all made: the update failed
                 raise
+            finally:
+                hook.remove()
         return run
 
     def attempt_peak(self) -> int:

@@ -100,10 +100,17 @@ class _FailIn:
             self.done = True
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
 
+    def arm_next_allocation(self):
+        if not self.done:
+            self.done = True
+            gpu = autofit.simulate.active_gpu()
+            gpu.fail_at(gpu.allocation_count)
+
     def optimizer(self, params):
         optimizer = torch.optim.AdamW(params, foreach=True)
         if self.phase == "optimizer.state":
-            optimizer.register_step_pre_hook(lambda o, a, k: self.fail())
+            # the first allocation inside the first step: AdamW's first moment, being created
+            optimizer.register_step_pre_hook(lambda o, a, k: self.arm_next_allocation())
         elif self.phase == "optimizer.step":
             # after step 0: the state exists, the update fails
             optimizer.register_step_post_hook(lambda o, a, k: setattr(self, "armed", True))
