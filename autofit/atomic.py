@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .oom import NotRetryable, is_oom, summarize
+from .errors import PartialUpdateError
+from .oom import is_oom, summarize
 
 HEADROOM = 1.25       # margin over the last measured need of a step
 HEADROOM_BYTES = 1 << 20
-
-
-class PartialUpdateError(NotRetryable):
-    """The optimizer ran out of memory mid-update without a snapshot; retrying would corrupt it.
-    Never an OOM for `is_oom`, although its text quotes the allocator's: the run stops."""
 
 
 def _params(optimizer) -> list[torch.Tensor]:

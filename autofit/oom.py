@@ -6,6 +6,8 @@ import gc
 
 import torch
 
+from .errors import PartialUpdateError
+
 # Allocator messages that mean "out of memory" on the backends PyTorch ships, for errors that are
 # raised as plain RuntimeError (cuBLAS workspaces, HIP, XPU, the CPU allocator, older builds).
 OOM_MESSAGES = (
@@ -21,11 +23,6 @@ OOM_MESSAGES = (
 )
 
 
-class NotRetryable(RuntimeError):
-    """An error that arose from running out of memory but must not be retried (what it did cannot
-    be undone, e.g. a half-applied optimizer update): `is_oom` never accepts it or what it wraps."""
-
-
 def is_oom(error: BaseException | None) -> bool:
     """True when `error`, or an error it was raised from or during, is an out-of-memory error.
 
@@ -35,8 +32,8 @@ def is_oom(error: BaseException | None) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, NotRetryable):
-            return False
+        if isinstance(error, PartialUpdateError):
+            return False  # an update half applied: replaying would apply part of it twice
         if isinstance(error, torch.OutOfMemoryError):
             return True
         if isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES):

@@ -317,3 +317,19 @@ def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduce
     assert seen[0]["norms"] == norms and min(norms) > 0.15
     for state in states:
         assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_an_unguarded_step_that_fails_half_way_stops_instead_of_being_replayed_on_top_of_itself():
+    class HalfWay(torch.optim.AdamW):
+        """Applies its update, then runs out of memory (foreach AdamW's failure mode)."""
+
+        def step(self, closure=None):
+            super().step(closure)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+    model = bert()
+    # No budget on a CPU: the free memory is unknown, so the step runs without a snapshot.
+    with pytest.raises(autofit.errors.PartialUpdateError, match="cannot be undone"):
+        with autofit.stepper(model, HalfWay(model.parameters()), precision="fp32", ladder=halve,
+                             cache=False) as step:
+            step(cls_batches(1, rows=8)[0])
+    assert step.attempts == []  # not taken for an OOM: no step-down, no replay
