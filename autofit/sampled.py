@@ -3,7 +3,7 @@
 Fake tensors have shapes but no values, so a step that needs values the fake-tensor estimator cannot
 hint (`.numpy()`, a custom kernel without a meta function, a meta kernel stricter than this
 machine's) cannot be estimated on them. Then the real step runs on one and two real rows of the
-batch, counted by the estimator's own meter (the simulated GPU's live-bytes counter), and the peak is
+batch (two and three when one row does not run, as BatchNorm's), counted by the estimator's own meter (the simulated GPU's live-bytes counter), and the peak is
 extrapolated linearly in the micro-batch size: activations grow with the rows, the rest does not.
 An offloaded plan is the same plan on the device less the optimizer state it moves to the host.
 
@@ -26,7 +26,9 @@ from .estimate import Estimator, MemoryEstimate, _FakeDevice
 from .fakes import warm
 from .plan import Plan
 
-SAMPLE_ROWS = (1, 2)  # micro-batch sizes measured; the peak is linear in the rows through them
+# Micro-batch sizes measured, the first two that run (BatchNorm refuses one row in training);
+# the peak is a line through them.
+SAMPLE_ROWS = (1, 2, 3, 4)
 
 
 class SampledEstimator(Estimator):
@@ -67,38 +69,52 @@ class SampledEstimator(Estimator):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         on_device = plan.replace(offload_optimizer=False)
         accumulation = 2 if self.full_rows > plan.micro_batch_size else 1
-        points = []
+        points, first_error = [], None
         with self._quiet(), restored(self.model, self.optimizer):
+            self.model.train()  # a training step, whatever mode the caller left the model in
             warm(self.optimizer)
             for rows in SAMPLE_ROWS:
-                if rows * accumulation > self.full_rows:
+                if len(points) == 2 or rows * accumulation > self.full_rows:
                     break
                 self.batch = slice_batch(self.full_batch, 0, rows * accumulation)
                 self.rows = rows * accumulation
-                estimate = self._measure(on_device.replace(micro_batch_size=rows,
-                                                           accumulation_steps=accumulation))
-                points.append((estimate, self.last_meter))
+                try:
+                    estimate = self._measure(on_device.replace(micro_batch_size=rows,
+                                                               accumulation_steps=accumulation))
+                except Exception as error:  # e.g. BatchNorm refuses one row: try more rows
+                    if points:
+                        raise
+                    first_error = first_error or error
+                    continue
+                points.append((rows, estimate, self.last_meter))
                 self.last_meter = None
+        if not points:
+            raise first_error if first_error is not None else ValueError(
+                f"the batch has {self.full_rows} row(s); a real sample needs at least one.")
         self.estimates += 1
         return _extrapolate(points, plan)
 
 
 def _extrapolate(points: list, plan: Plan) -> MemoryEstimate:
-    """The estimate at plan.micro_batch_size rows from (estimate, meter) at 1 (and 2) rows: the peak
-    of forward and backward, and the optimizer step's, are each a line through them (the step's
-    barely grows: the micro-batch it still holds); the larger one is the step's peak."""
+    """The estimate at plan.micro_batch_size rows from (rows, estimate, meter) at one or two sizes:
+    the peak of forward and backward, and the optimizer step's, are each a line through them (the
+    step's barely grows: the micro-batch it still holds); the larger one is the step's peak."""
     m = plan.micro_batch_size
-    points = points[:m]  # one row: the first point alone
-    last, meter = points[-1]
-    extra = m - len(points)  # rows beyond the last point's
+    if len(points) == 2 and m <= points[0][0]:
+        points = points[:1]
+    rows, last, meter = points[-1]
 
     def line(value):
-        return value(points[-1]) + extra * max(value(points[-1]) - value(points[0]), 0)
-    outer = line(lambda p: p[1].outer_top)
-    step = line(lambda p: p[0].step_bytes or 0)
+        if len(points) == 1:
+            return value(points[0])
+        (r0, *_), (r1, *_) = points
+        slope = max(value(points[1]) - value(points[0]), 0) / (r1 - r0)
+        return value(points[1]) + round((m - r1) * slope)
+    outer = line(lambda p: p[2].outer_top)
+    step = line(lambda p: p[1].step_bytes or 0)
     if outer >= step:
-        peak, breakdown, grown = outer, dict(meter.outer_breakdown), outer - meter.outer_top
-        breakdown["activations"] += grown
+        peak, breakdown = outer, dict(meter.outer_breakdown)
+        breakdown["activations"] += outer - meter.outer_top
     else:  # the optimizer step is the peak: what the step holds, and the micro-batch
         peak, breakdown = step, dict(last.breakdown)
         breakdown["other"] += step - last.peak_bytes

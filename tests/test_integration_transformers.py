@@ -8,6 +8,7 @@ Everything runs on CPU under a simulated GPU; OOMs are injected at an exact step
 
 from __future__ import annotations
 
+import logging
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
@@ -144,6 +145,22 @@ def test_fit_without_a_budget_on_cpu_keeps_the_arguments(tmp_path):
     fitted = fit_trainer(trainer)
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 2)
     assert "no budget" in fitted.reason
+
+
+def test_fit_with_an_estimator_that_fails_keeps_the_arguments_and_says_so(tmp_path, monkeypatch, caplog):
+    from autofit.integrations import hf_trainer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the estimator broke\nsecond line")
+    monkeypatch.setattr(hf_trainer, "rank", broken)
+    trainer = make(tmp_path, "fit")
+    with caplog.at_level(logging.WARNING, logger="autofit"):
+        fitted = fit_trainer(trainer, budget="1MiB")
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 2)
+    assert fitted.reason == "the estimator cannot follow the model: the TrainingArguments' batch kept"
+    assert [r.getMessage() for r in caplog.records if "cannot estimate" in r.getMessage()] == [
+        "capacity check: cannot estimate BertForSequenceClassification (RuntimeError: the estimator broke); "
+        "the TrainingArguments' batch kept; the ladder steps down on an out-of-memory error"]
 
 
 @pytest.mark.parametrize("rows, current, floor, expected", [
