@@ -161,8 +161,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
             if tuned is not None:
                 sizes.settle(tuned.plan)  # for every length
                 return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
-                        f"tuned: fastest of {len(tuned.space)} plan(s) measured "
-                        f"({tuned.samples_per_second:.1f} samples/s)", 0.0)
+                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
             recalled = memo.recall(sizes)
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
