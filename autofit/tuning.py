@@ -30,9 +30,11 @@ So tune measures in `rounds` interleaved rounds (`study.round_order`): each roun
 plan once, the order rotated by one plan per round, so a slow spell hits different plans in
 different rounds. A plan's figure is the *median* of its rounds (one stalled round cannot move it)
 and its *spread* the median absolute deviation of its rounds from that median (a stalled round
-does not widen it either). The winner is the plan with the highest median, except that the default
-plan stays unless that lead over the default's median is larger than the spread of both plans and
-than MIN_GAIN: a lead the machine's own noise could make is no lead. A trial that runs out of memory
+does not widen it either). A lead counts only when it is larger than the spread of both plans and
+than MIN_GAIN (a lead the machine's own noise could make is no lead): the winner is the first plan
+of the space (the default, then the cost model's order) that the highest median does not clearly
+beat (`verdict.verdict`), so the default stays unless another plan clearly beats it, and between
+plans the noise cannot tell apart the same one wins every time. A trial that runs out of memory
 is pruned after the controller freed what it held; such a plan is not measured in later rounds and
 is never the winner. `describe()` shows each plan's median, spread and range, and the reason of the
 choice.

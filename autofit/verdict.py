@@ -101,10 +101,12 @@ class TuneResult:
 
 
 def verdict(trials, default, space, measured, study_name, where, key) -> TuneResult:
-    """The plan with the highest median samples/s over its rounds (`plan_stats`); a plan that ran
-    out of memory (or failed) in any round is not eligible; ties go to the earlier plan of the
-    space. The default plan stays unless the winner's lead over its median exceeds MIN_GAIN and
-    the spread of both plans."""
+    """The first plan of the space (the default, then the cost model's order) whose median is
+    within the noise of the highest median (`plan_stats`): a lead counts only when it is larger
+    than the spread of both plans and than MIN_GAIN, so the default plan stays unless another
+    clearly beats it, and between plans the noise cannot tell apart the cost model's order decides
+    (the same plan every time, not the luckier one). A plan that ran out of memory (or failed) in
+    any round is not eligible."""
     stats = plan_stats(trials, space)
     of = {s.plan: s for s in stats}
     eligible = [s for s in stats if s.outcome == "ok"]
@@ -116,21 +118,29 @@ def verdict(trials, default, space, measured, study_name, where, key) -> TuneRes
                                           f"or with a larger n_trials." if left else
                                           "give a larger budget or a smaller global batch."))
     best = max(eligible, key=lambda s: (s.median, -eligible.index(s)))
+
+    def within_noise(s: PlanStats) -> bool:  # the best's lead over `s` is inside a spread, or small
+        return best.median - s.median <= max(best.spread, s.spread, MIN_GAIN * s.median)
+
+    def lead_words(over: PlanStats) -> str:
+        lead, noise = best.median - over.median, max(best.spread, over.spread)
+        return (f"{best.plan.describe()} leads by {lead / over.median:.1%}, the larger spread of the "
+                f"two is {noise / over.median:.1%}")
+
+    chosen = next(s for s in eligible if within_noise(s))  # space order; `best` itself qualifies
     base = of.get(default)
-    if base is None or base.outcome != "ok":
+    if chosen is base:
+        reason = ("the default plan has the highest median" if chosen is best else
+                  f"kept the default plan: {lead_words(base)}, within the noise (or under {MIN_GAIN:.0%})")
+    elif chosen is not best:
+        reason = (f"{chosen.plan.describe()} comes first in the cost model's order and "
+                  f"{lead_words(chosen)}, within the noise (or under {MIN_GAIN:.0%})")
+    elif base is not None and base.outcome == "ok":
+        reason = f"{lead_words(base)}: a lead larger than the spread"
+    else:
         reason = ("the default plan ran out of memory" if base is not None else
                   "the default plan is not measured yet") + ": the highest median wins"
-    elif best is base:
-        reason = "the default plan has the highest median"
-    else:
-        lead, noise = best.median - base.median, max(best.spread, base.spread)
-        words = (f"{best.plan.describe()} leads by {lead / base.median:.1%}, the larger spread of "
-                 f"the two is {noise / base.median:.1%}")
-        if lead > noise and lead > MIN_GAIN * base.median:
-            reason = f"{words}: a lead larger than the spread"
-        else:
-            reason = f"kept the default plan: {words}, within the noise (or under {MIN_GAIN:.0%})"
-            best = base
+    best = chosen
     return TuneResult(plan=best.plan, samples_per_second=best.median, default_plan=default,
                       default_samples_per_second=base.median if base is not None else None,
                       trials=trials, space=list(space), measured=measured, study_name=study_name,

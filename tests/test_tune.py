@@ -465,3 +465,19 @@ def test_a_plan_out_of_memory_in_one_round_is_not_measured_again(tiny_bert, monk
     assert [(t.round, t.plan.micro_batch_size, t.outcome) for t in result.trials] == \
         [(0, 16, "oom"), (0, 8, "ok"), (0, 4, "ok"), (1, 8, "ok"), (1, 4, "ok"), (1, 16, "oom")]
     assert result.plan == Plan(8, 2) and result.stats[0].outcome == "oom"
+
+
+def test_between_plans_the_noise_cannot_tell_apart_the_earlier_in_the_space_wins():
+    default, second, third = Plan(16, 1), Plan(8, 2), Plan(4, 4)
+    values = {default: [50, 52, 48], second: [100, 90, 110], third: [104, 112, 96]}
+    trials = [TuneTrial(3 * r + i, plan, "ok", float(values[plan][r]), round=r)
+              for r in range(3) for i, plan in enumerate((default, second, third))]
+    result = verdict(trials, default, [default, second, third], 9, "s", "memory", "k")
+    # micro 4 x 4 has the highest median (104), 4% above micro 8 x 2's, inside both spreads (10, 8).
+    assert (result.plan, result.samples_per_second, result.speedup) == (second, 100.0, 2.0)
+    assert result.reason == ("micro 8 x 2, fp32 comes first in the cost model's order and micro 4 x 4, fp32 "
+                             "leads by 4.0%, the larger spread of the two is 10.0%, within the noise (or under 3%)")
+    values[third] = [112, 115, 118]  # now 15% above, more than either spread (10, 3)
+    trials = [TuneTrial(3 * r + i, plan, "ok", float(values[plan][r]), round=r)
+              for r in range(3) for i, plan in enumerate((default, second, third))]
+    assert verdict(trials, default, [default, second, third], 9, "s", "memory", "k").plan == third
