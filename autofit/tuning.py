@@ -67,6 +67,7 @@ import torch
 from .batches import batch_size as rows_of
 from .controller import Attempt
 from .device import open_device
+from .inputs import build_optimizer, global_batches
 from .ladder import SizeLog, config_of
 from .memo import Memo
 from .plan import PRECISIONS
@@ -114,7 +115,6 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=R
                          f"DataLoader or a Dataset.")
     _refuse_distributed()
     import_optuna()  # before any work
-    from .run import build_optimizer, global_batches  # here: run imports this module for tune=True
 
     with kept_rng():
         first, epoch_batches = global_batches(data, batch_size, 1)
@@ -330,7 +330,7 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
                 and t.plan.micro_batch_size > winner.micro_batch_size:
             sizes.record(t.plan, False, global_batch)
     peak = max((t.peak_bytes or 0 for t in trials if t.plan == winner and t.outcome == "ok"), default=0)
-    memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: fastest measured plan", peak)],
+    memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: the plan tune chose", peak)],
                   global_batch, throughput=result.samples_per_second)
     result.cached = memo.cache.get(memo.key) is not None
 
