@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from .batches import batch_size as rows_of
 from .controller import Attempt
 from .eval_data import check_eval_data
-from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import PRECISION_POLICIES, build_optimizer, global_batches  # noqa: F401 (their old home)
 from .inputs import check_optimizer, check_training_options
 from .inputs import check_positive_int as _check_positive_int
@@ -62,14 +61,13 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
                         progress=progress, capacity_check=capacity_check)
-    lockstep, progress = training.lockstep, training.progress
-    if tune_options is not None and lockstep is not None:
+    progress = training.progress
+    if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
-    if lockstep is not None:
-        if batch_size is not None:
-            lockstep.check_dataset(len(data), batch_size)
-        training.rows(first)  # a global batch that cannot be split over the ranks fails now
+    if batch_size is not None:
+        training.lockstep.check_dataset(len(data), batch_size)
+    training.rows(first)  # a global batch that cannot be split over the ranks fails now
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
 
@@ -83,12 +81,9 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         training.start(first, data=data, tuned=tuned)
         result = RunResult(plan=training.plan, device=training.device.describe(),
                            budget=training.device.budget, tune=tuned)
-        sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
 
         def evaluation(epoch):
-            done = evaluate(training.model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn,
-                            device=training.device, sizer=sizer, expect_like=first, progress=progress,
-                            start_batch_size=EVAL_START_FACTOR * training.plan.micro_batch_size)
+            done = training.evaluate(eval_data, metric_fn=metric_fn, expect_like=first, progress=progress)
             result.eval_attempts.extend(done.attempts)
             result.eval_history.append(done.record(epoch))
         try:

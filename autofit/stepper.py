@@ -41,7 +41,7 @@ class Step:
 
     def __call__(self, batch) -> StepOutput:
         training = self._training
-        if training.runner is None and training.controller is not None:
+        if training.closed:
             raise RuntimeError("this stepper's block has ended; open a new `with autofit.stepper(...)` "
                                "to train more.")
         if training.controller is None:  # the first batch: the cache and the capacity check use it
@@ -50,6 +50,15 @@ class Step:
         loss = training.train(batch)
         return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
                           grad_norm=training.runner.grad_norm)
+
+    def evaluate(self, data, *, metric_fn=None, progress=False):
+        """Validation inside the block: `autofit.evaluate` with this stepper's loss and device, in
+        inference mode, its batch size starting from the training micro-batch's and kept between
+        calls; it never trains and never changes the training plan."""
+        if self._training.closed:
+            raise RuntimeError("this stepper's block has ended; call autofit.evaluate(model, data, ...) "
+                               "instead.")
+        return self._training.evaluate(data, metric_fn=metric_fn, progress=progress)
 
     @property
     def plan(self) -> Plan | None:

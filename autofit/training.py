@@ -6,7 +6,8 @@ first global batch): the plan cache, the start plan (tuned, cached, estimated, o
 the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
 last agreement and the cache written after a clean end, then the model, optimizer and device handed
 back as a plain loop would leave them (checkpointing switches off, offloaded state home, the budget
-restored). A single process has no lockstep: `Local` has the same interface and does nothing.
+restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
+and agrees with itself, so the recipe reads the same with one rank or many.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .controller import Controller
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
 from .errors import DoesNotFit
+from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import build_optimizer, build_scheduler, check_training_options
 from .ladder import SizeLog, as_move, default_ladder
 from .leaks import LeakWatch
@@ -41,10 +43,11 @@ class Training:
                  capacity_check=True):
         check_training_options(model=model, precision=precision, loss_fn=loss_fn,
                                max_grad_norm=max_grad_norm)
-        self.lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
-        if self.lockstep is not None:
-            model = self.lockstep.module  # DDP runs it: the user's DDP, or one made for the run
-            progress = progress and self.lockstep.rank == 0
+        lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+        self.distributed = lockstep is not None
+        self.lockstep = lockstep = lockstep or Local(model)
+        model = lockstep.module  # under DDP the module it runs: the user's DDP's, or the model itself
+        progress = progress and lockstep.rank == 0
         self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
         self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
         self.max_grad_norm, self.cache, self.progress = max_grad_norm, cache, progress
@@ -52,8 +55,10 @@ class Training:
         self.user_ladder = None if ladder is None else as_move(ladder)
         self.sizes = SizeLog()
         self.controller = self.runner = self.watch = self.memo = None
+        self.closed = False
         self.findings: list[dict] = []  # autofit.leaks findings, kept after the watch is gone
         self.step = 0             # global batches trained
+        self.sizer = EvalSizer()  # the evaluation batch that worked, kept from one evaluation to the next
         self.samples = 0
 
     # -- setup and cleanup ---------------------------------------------------------------------
@@ -61,14 +66,11 @@ class Training:
         lockstep = self.lockstep
         self._stack = contextlib.ExitStack()
         self.device = device = self._stack.enter_context(open_device(self.budget))
-        if lockstep is not None:
-            self._stack.enter_context(lockstep.scope())
+        self._stack.enter_context(lockstep.scope())
         try:
             model = self.model
             device.place_model(model)
-            self.ddp = None
-            if lockstep is not None:
-                model, self.ddp = lockstep.wrap(model, device)
+            model, self.ddp = lockstep.wrap(model, device)  # ddp: None in a single process
             self.model = model
             self.was_training = model.training
             model.train()
@@ -77,8 +79,7 @@ class Training:
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
             if self.precision == "fp16" and device.type == "cpu":
                 log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
-            if lockstep is not None:
-                lockstep.agree_budgets(device, tensor_budget)
+            lockstep.agree_budgets(device, tensor_budget)
         except BaseException:
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
@@ -86,7 +87,7 @@ class Training:
 
     def rows(self, batch) -> int:
         """Rows of `batch` one plan covers: this rank's share under torch.distributed."""
-        return rows_of(self.lockstep.local(batch) if self.lockstep else batch)
+        return rows_of(self.lockstep.local(batch))
 
     def start(self, first, *, data=None, tuned=None, resume=None) -> None:
         """Choose the start plan from the first global batch and build the controller.
@@ -97,8 +98,8 @@ class Training:
         first_rows = self.rows(first)  # a plan is per rank: its rows of a global batch
         self.memo = memo = Memo(
             model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
-            device=lockstep.cache_view(device) if lockstep else device,
-            enabled=self.cache and (lockstep is None or lockstep.rank == 0))  # rank 0 owns the cache
+            device=lockstep.cache_view(device),
+            enabled=self.cache and lockstep.rank == 0)  # rank 0 owns the cache
 
         def choose():
             """(start plan, reason, settle_within); fills `sizes` with what is already known."""
@@ -118,22 +119,20 @@ class Training:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:
                 batch = longest_batch(data, first) if data is not None else first
-                estimated = estimated_start(model, lockstep.local(batch) if lockstep else batch, opt,
-                                            self.loss_fn,
-                                            lockstep.estimate_view(device) if lockstep else device,
-                                            precision, sizes)
+                estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
+                                            lockstep.estimate_view(device), precision, sizes)
                 if estimated is not None:
                     start, reason = estimated
                     return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
             return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
-        start, reason, settle_within = lockstep.agree_start(choose, sizes) if lockstep else choose()
+        start, reason, settle_within = lockstep.agree_start(choose, sizes)
         moves = self.user_ladder or default_ladder(sizes, precision, device.supports_bf16())
         count_tokens = token_counter(model) if self.loss_fn is None else None
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
-        if lockstep is None:
+        if self.ddp is None:
             self.runner = StepRunner(model, opt, device, **options)
         else:
             self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=self.ddp,
@@ -153,18 +152,24 @@ class Training:
 
     def train(self, batch) -> float:
         """Train one global batch (replayed on OOM); returns its loss."""
-        shard = self.lockstep.next_batch if self.lockstep else _same
-        loss = self.controller.train(shard(batch), self.step)
+        loss = self.controller.train(self.lockstep.next_batch(batch), self.step)
         self.watch.after_step(self.step, self.controller.plan, batch)
         self.step += 1
         self.samples += rows_of(batch)
         return loss
 
+    def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
+        """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
+        (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
+        start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
+        return evaluate(self.model, data, loss_fn=self.loss_fn, metric_fn=metric_fn, device=self.device,
+                        sizer=self.sizer, expect_like=expect_like, progress=progress,
+                        start_batch_size=start)
+
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if error is None:
-                if self.lockstep is not None:
-                    self.lockstep.finish()  # every rank got to the end, at the same step
+                self.lockstep.finish()  # every rank got to the end, at the same step
                 if self.controller is not None:
                     self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
                                        self.samples)
@@ -180,10 +185,10 @@ class Training:
 
     def _close(self) -> None:
         """Hand the model and optimizer back as a plain loop would leave them."""
+        self.closed = True
         if self.runner is not None:
             self.runner.close()
-        if self.lockstep is not None:
-            self.lockstep.close()
+        self.lockstep.close()
         if not self.was_training:
             self.model.eval()
         if self.own_optimizer:
@@ -198,5 +203,43 @@ class Training:
         self.device.empty_cache()
 
 
-def _same(batch):
-    return batch
+class Local:
+    """The lockstep of a single process: `distributed.Lockstep`'s interface, nothing to agree on."""
+
+    rank, world = 0, 1
+
+    def __init__(self, model):
+        self.module = model
+
+    def scope(self):
+        return contextlib.nullcontext(self)
+
+    def wrap(self, model, device):
+        return model, None
+
+    def agree_budgets(self, device, tensor_budget) -> None:
+        pass
+
+    def estimate_view(self, device):
+        return device
+
+    def cache_view(self, device):
+        return device
+
+    def agree_start(self, choose, sizes):
+        return choose()
+
+    def local(self, batch):
+        return batch
+
+    def next_batch(self, batch):
+        return batch
+
+    def check_dataset(self, length: int, batch_size: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
