@@ -8,7 +8,7 @@ Two jobs, each tuned `--repeats` times from scratch (a fresh plan cache and stud
 at random; it ends after `--load-seconds` or with the script, whichever is first), so trials are
 stalled at random as on a shared machine:
 
-- "BERT cls": a BERT classifier built from a config (random init, dropout 0.1), precision="auto":
+- "BERT cls": a BERT classifier built from a config (random init, dropout 0), precision="auto":
   the fp32 and bf16 plans of the whole batch, a half and a quarter of it.
 - "row-coupled": an MLP whose middle layer mixes the rows of its micro-batch (attention across the
   rows: cost grows with the square of the micro-batch), so smaller micro-batches are truly faster

@@ -43,7 +43,11 @@ Decisions, with their reasons:
   that with a two-row forward and sets `trainer.model_accepts_loss_kwargs = False`, so every split
   of the effective batch trains on the same gradient (`TrainerPlan.notes` says so).
 - Evaluation: an OOM in `trainer.evaluate()`, inside training or not, halves only
-  `per_device_eval_batch_size` and evaluates again; the training batch never changes.
+  `per_device_eval_batch_size` and evaluates again from the random generators the first try found;
+  the training batch never changes.
+- Reports cover the whole run: after a resume, `output.training_loss` (and the log's "train_loss")
+  average every step of the run (the Trainer's own covers the resumed attempt only);
+  `Attempt.peak_bytes` is the training's peak, evaluations left out.
 - Budget: as in autofit.run. On a machine without CUDA a budget runs the Trainer on a simulated GPU
   (the model's tensors are counted; so are the optimizer state and batches the Trainer makes, and
   the optimizer state a resume loads). `train` refuses world size > 1 (an OOM on one rank would
