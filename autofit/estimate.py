@@ -1,4 +1,5 @@
 """Fake-tensor estimator: the peak device memory of one training step under a plan, without a GPU.
+(Long: the meter, the fake device and the estimator are one mechanism and change together.)
 
 The real step runs — `StepRunner` with the plan's micro-batches, autocast, checkpointing and offload,
 the user's optimizer class and loss — on a copy of the model made of fake tensors
@@ -18,8 +19,9 @@ gradients (and a carried total), which gives the peak of all of them at the cost
 `device_type="cuda"` predicts a CUDA card rather than this CPU: `scaled_dot_product_attention` is
 routed to the kernels CUDA runs (flash attention for fp16/bf16 without a mask, else memory-efficient
 attention: O(T) memory, where CPU's math path — taken with attention dropout, as in training —
-keeps the T x T attention matrix), and the optimizer uses the multi-tensor (`foreach`)
-implementation CUDA picks by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
+keeps the T x T attention matrix), autocast follows CUDA's op lists and dropout saves a bool mask
+(`cuda_numerics.py`), and the optimizer uses the multi-tensor (`foreach`) implementation CUDA picks
+by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
 checked against the simulated GPU running the same step on real CPU tensors. In both, AdamW's scalar
 `step` counters are host memory (CUDA keeps them on the CPU unless capturable or fused).
 
@@ -27,9 +29,13 @@ All fake tensors are on device `cpu` (fake `cuda` tensors abort the process in a
 build); the user's model, optimizer and batch are read, never changed, and their data is never
 copied: parameters of a model on `meta`, `cpu` or `cuda` all work.
 
+Where the step reads values that fake tensors lack (a mask's rows, `.item()`, a branch on `.any()`),
+`autofit.data_dependent` gives hints; where fake tensors cannot follow the step at all (`.numpy()`,
+a fake kernel stricter than the real one), `Estimator` measures it on real rows instead
+(`autofit.sampled`, said once in the log) and its estimates have `method="sampled"`.
+
 Known differences from a card, all small or covered by `rank`'s margin and calibration:
 - the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
-- autocast follows CPU's op lists (close to CUDA's for both dtypes);
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
@@ -39,17 +45,18 @@ Known differences from a card, all small or covered by `rank`'s margin and calib
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
-from .cuda_attention import attention_as_on_cuda
+from .cuda_numerics import numerics_as_on_cuda
+from .data_dependent import Hints, silenced_torch_logs, upper_bound
 from .device import SimulatedDevice, _map_tensors
 from .fakes import check_optimizer, fake_like, fake_model, fake_optimizer, on_device_state, warm
 from .memory import KINDS, format_breakdown, storage_bytes
@@ -61,26 +68,6 @@ log = logging.getLogger("autofit")
 
 DEVICE_TYPES = ("cuda", "cpu")
 SCALER_BYTES = 2 * 512  # GradScaler's scale and growth tracker, which an fp16 plan adds
-# torch logs a traceback of its own when a fake kernel fails (~25 lines for one Mixtral step); the
-# estimator's caller reports the failure once, so these are silenced while it runs.
-TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
-                 "torch._dynamo", "torch._functorch", "torch._guards")
-
-
-@contextlib.contextmanager
-def silenced_torch_logs():
-    """torch's fake-tensor and symbolic-shape loggers say nothing inside; their levels are restored."""
-    loggers = [logging.getLogger(name) for name in TORCH_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted peak device memory of one training step under `plan`.
@@ -109,48 +96,6 @@ class MemoryEstimate:
     def describe(self, budget: int | None = None) -> str:
         """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
         return format_breakdown(self.breakdown, budget)
-
-
-def upper_bound(n) -> int:
-    """An int, or the largest value a data-dependent size can take (the rows a boolean mask may
-    select: all of them), which is what the memory must allow for."""
-    if isinstance(n, int):
-        return n
-    bound = n.node.shape_env.bound_sympy(n.node.expr).upper
-    if not bound.is_finite:
-        raise ValueError(f"a tensor's size depends on its data with no upper bound ({n.node.expr}); "
-                         f"the estimator cannot size it.")
-    return int(bound)
-
-
-class _Hints(dict):
-    """A value for every data-dependent symbol, looked up when torch must decide a branch on one
-    (torch's real-tensor propagation reads its values from this mapping; here they are hints):
-    a size (the rows a mask selects, a nonzero count) is its upper bound, the memory to allow for;
-    any other value (`.item()`, `.any()`) is 0 within its range, the path of a check that passes."""
-
-    def __init__(self, shape_env):
-        super().__init__()
-        self.shape_env = shape_env
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __contains__(self, symbol) -> bool:
-        return super().__contains__(symbol) or (symbol in self.shape_env.var_to_range
-                                                and symbol not in self.shape_env.backed_var_to_val)
-
-    def __getitem__(self, symbol):
-        if super().__contains__(symbol):
-            return super().__getitem__(symbol)
-        bounds = self.shape_env.var_to_range[symbol]
-        if symbol in self.shape_env.size_like and bounds.upper.is_finite:
-            value = bounds.upper
-        else:
-            value = min(max(sympy.Integer(0), bounds.lower), bounds.upper)
-        value = sympy.Integer(value) if symbol.is_integer else sympy.Float(value)
-        self[symbol] = value  # the same answer every time it is asked
-        return value
 
 
 # -- the counter, with a kind per storage ------------------------------------------------------
@@ -281,7 +226,7 @@ class Estimator:
         # A shape environment so that values read from data (`loss.item()`, a mask's row count)
         # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
         shape_env = ShapeEnv()
-        shape_env.real_tensor_prop_unbacked_vals = _Hints(shape_env)
+        shape_env.real_tensor_prop_unbacked_vals = Hints(shape_env)
         self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
         check_optimizer(optimizer, model)  # a wrong argument is said as such, never sampled around
         self._source, self._sampled = (model, batch, optimizer), None
@@ -341,11 +286,14 @@ class Estimator:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         if self._sampled is None:
+            cached = len(FakeTensorMode.cache)
             try:
                 with self._quiet():
                     estimate = self._measure(plan)
             except Exception as error:
                 self._sample(error)
+            finally:
+                _forget_cached_dispatch(cached)
         if self._sampled is not None:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
@@ -371,7 +319,7 @@ class Estimator:
                  for p in _unique(self.model.parameters()) if p.requires_grad]
         hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
         hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
-        attention = (attention_as_on_cuda(self.mode) if self.device_type == "cuda"
+        attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
             with self.mode, attention, _CountingMode(meter):
@@ -406,6 +354,15 @@ class Estimator:
                               device_type=self.device_type, resident=dict(self.resident),
                               step_bytes=step,
                               optimizer=self.optimizer_name)
+
+
+def _forget_cached_dispatch(keep: int) -> None:
+    """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
+    trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
+    one estimator measuring many plans would otherwise grow host memory with every plan."""
+    cache = FakeTensorMode.cache
+    for key in list(itertools.islice(cache, keep, None)):
+        cache.pop(key, None)
 
 
 def _unique(tensors):

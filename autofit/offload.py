@@ -10,6 +10,7 @@ device never allocates for the update.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import defaultdict
 
 import torch
@@ -92,6 +93,24 @@ def _host_copy(optimizer, host_params: dict):
     for options in [host.defaults] + host.param_groups:
         options.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in options})
     return host
+
+
+def rebuild_problem(optimizer) -> str | None:
+    """Why `Offloaded` cannot copy this optimizer over host copies, or None when it can: it must
+    step without a closure and keep its defaults in a dict. (Its constructor is never called
+    again: `_host_copy` keeps every attribute, a subclass's own arguments included.)"""
+    cls = type(optimizer)
+    name = cls.__name__
+    try:
+        step = inspect.signature(cls.step)
+    except (TypeError, ValueError):
+        return f"{name}.step cannot be read"
+    closure = step.parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return f"{name}.step needs a closure"
+    if not isinstance(getattr(optimizer, "defaults", None), dict):
+        return f"{name} keeps no defaults to rebuild it from"
+    return None
 
 
 def _restore_group_options(optimizer, groups) -> None:

@@ -14,7 +14,8 @@ import autofit
 from autofit import capacity
 from autofit.batches import token_counter
 from autofit.device import SimulatedDevice
-from autofit.estimate import TORCH_LOGGERS, estimate
+from autofit.data_dependent import TORCH_LOGGERS
+from autofit.estimate import estimate
 from autofit.plan import Plan
 from autofit.simulate import simulate_gpu
 from autofit.step import StepRunner

@@ -83,7 +83,7 @@ def seed_000_program(model, train_iter, phase, extra):
 
 
 def test_seed_000_two_phase_loop_converted_by_two_lines():
-    train_iter = cls_batches(2, rows=16, seq=48)
+    train_iter = cls_batches(2, rows=16, seq=24)
     whole = peak(small(), train_iter[0], Plan(16))
     half = peak(small(), train_iter[0], Plan.for_batch(16, 8))
     card = (whole + half) // 2  # "2 GiB": half a batch fits once AdamW's state exists, all of it not
@@ -116,9 +116,9 @@ def load_data(x, y, batch_size):
 
 def rows(n, seed):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(1, 100, (n, 40), generator=g)
+    x = torch.randint(1, 100, (n, 20), generator=g)
     for i in range(n):
-        x[i, 40 - 3 * (i % 7):] = 0  # padded to the longest row
+        x[i, 20 - 2 * (i % 7):] = 0  # padded to the longest row
     return x, torch.randint(0, 3, (n,), generator=g)
 
 
