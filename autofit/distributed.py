@@ -440,6 +440,8 @@ class Lockstep:
 class DistributedStepRunner(StepRunner):
     """A StepRunner whose global step is agreed between the ranks (see the module's docstring)."""
 
+    phase_steers_ladder = False  # ranks fail in different phases; all must step down alike
+
     def __init__(self, model, optimizer, device, *, lockstep: Lockstep, ddp, **kwargs):
         super().__init__(model, optimizer, device, forward=ddp,
                          sync=lambda i, last: ddp.no_sync(), **kwargs)

@@ -26,6 +26,7 @@ class RunResult:
     eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
     leaks: list = field(default_factory=list)  # autofit.leaks findings: {"kind", "culprit", "bytes", "fix"}
     tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
+    batch_coupled: list = field(default_factory=list)  # names of modules a split changes (BatchNorm)
 
     @property
     def oom_attempts(self) -> int:
@@ -34,7 +35,7 @@ class RunResult:
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
-        progress=True, metric_fn=None, capacity_check=True, tune=False):
+        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -49,6 +50,11 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     Under torch.distributed (e.g. torchrun) every rank calls `run` with the same data: DDP runs the
     model, each rank trains its share of every global batch, and all ranks keep the same plan
     (see autofit.distributed).
+
+    `allow_split=False` never splits a global batch into micro-batches (what a model with
+    BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
+    fits, DoesNotFit says so. A model with batch-coupled layers (autofit.coupling) walks a ladder
+    that keeps the batch whole first either way.
     """
     _check_positive_int("epochs", epochs)
     tune_options = None
@@ -60,7 +66,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     rows_of(first)  # raises on a batch that cannot be split
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=progress, capacity_check=capacity_check)
+                        progress=progress, capacity_check=capacity_check, allow_split=allow_split)
     progress = training.progress
     if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
@@ -80,7 +86,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                                  cache=cache)
         training.start(first, data=data, tuned=tuned)
         result = RunResult(plan=training.plan, device=training.device.describe(),
-                           budget=training.device.budget, tune=tuned)
+                           budget=training.device.budget, tune=tuned,
+                           batch_coupled=list(training.coupling.names))
 
         def evaluation(epoch):
             done = training.evaluate(eval_data, metric_fn=metric_fn, expect_like=first, progress=progress)

@@ -85,8 +85,9 @@ class Step:
         """The plan and the micro-batch sizes proven (plain JSON types), for a checkpoint: a job
         resumed with `load_state_dict` starts from them without an OOM attempt."""
         plan = self.plan
+        sizes = self._resume[1] if self._training.controller is None and self._resume else self._training.sizes
         return {"version": STATE_VERSION, "plan": None if plan is None else plan.to_dict(),
-                "sizes": self._training.sizes.to_json()}
+                "sizes": sizes.to_json()}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "sizes" not in state:

@@ -18,19 +18,21 @@ import logging
 import sys
 
 from .batches import batch_size as rows_of
-from .batches import token_counter
 from .controller import Controller
+from .coupling import Coupling
 from .device import open_device
 from .distributed import DistributedStepRunner, open_lockstep
 from .errors import DoesNotFit
 from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import build_optimizer, build_scheduler, check_training_options
-from .ladder import SizeLog, as_move, default_ladder
+from .ladder import SizeLog, as_move
 from .leaks import LeakWatch
+from .applies import not_applicable
 from .memo import Memo
 from .plan import Plan
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from .step import StepRunner
+from .token_loss import loss_weighting
 
 log = logging.getLogger("autofit")
 
@@ -40,7 +42,7 @@ class Training:
 
     def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
                  precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
-                 capacity_check=True):
+                 capacity_check=True, allow_split=True):
         check_training_options(model=model, precision=precision, loss_fn=loss_fn,
                                max_grad_norm=max_grad_norm)
         lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
@@ -52,6 +54,9 @@ class Training:
         self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
         self.max_grad_norm, self.cache, self.progress = max_grad_norm, cache, progress
         self.capacity_check = capacity_check
+        if not isinstance(allow_split, bool):
+            raise TypeError(f"allow_split must be True or False but got {allow_split!r}.")
+        self.allow_split, self.coupling = allow_split, None
         self.user_ladder = None if ladder is None else as_move(ladder)
         self.sizes = SizeLog()
         self.controller = self.runner = self.watch = self.memo = None
@@ -74,6 +79,7 @@ class Training:
             self.model = model
             self.was_training = model.training
             model.train()
+            self.coupling = Coupling(model, self.allow_split)  # says so once when a split would matter
             self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
             device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
@@ -112,9 +118,9 @@ class Training:
             if tuned is not None:
                 sizes.settle(tuned.plan)  # for every length
                 return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
-                        f"tuned: fastest of {len(tuned.space)} plan(s) measured "
-                        f"({tuned.samples_per_second:.1f} samples/s)", 0.0)
-            recalled = memo.recall(sizes)
+                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
+            recalled = memo.recall(sizes, applies=lambda plan: not_applicable(plan, model, opt, device))
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:
@@ -128,12 +134,14 @@ class Training:
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
-        moves = self.user_ladder or default_ladder(sizes, precision, device.supports_bf16())
-        count_tokens = token_counter(model) if self.loss_fn is None else None
+        start, reason = self.coupling.start(start, reason, first_rows)
+        moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
+        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device)
+        count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
         if self.ddp is None:
-            self.runner = StepRunner(model, opt, device, **options)
+            self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
         else:
             self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=self.ddp,
                                                 **options)
@@ -141,6 +149,7 @@ class Training:
                                      quiet=not self.progress, settle_within=settle_within)
         self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
         self.watch.check_batch(first, data)
+        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
 
     @property
     def plan(self) -> Plan | None:
@@ -174,6 +183,8 @@ class Training:
                     self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
                                        self.samples)
             elif isinstance(error, DoesNotFit) and self.watch is not None:
+                if self.coupling.refusal():
+                    error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
                 error.leaks = self.watch.findings  # explain(error) names what the user's code kept
         except BaseException:
             self._close()
@@ -188,6 +199,8 @@ class Training:
         self.closed = True
         if self.runner is not None:
             self.runner.close()
+        if self.coupling is not None:
+            self.coupling.close()
         self.lockstep.close()
         if not self.was_training:
             self.model.eval()

@@ -84,6 +84,8 @@ def test_factories_and_a_budget_step_down_then_a_resumed_job_makes_no_oom_attemp
     with autofit.stepper(resumed, torch.optim.AdamW, scheduler=warmup, **job) as again:
         again.load_state_dict(saved)
         assert again.plan == Plan.for_batch(16, 8)
+        kept = again.state_dict()  # a checkpoint taken before the first batch keeps what was proven
+        assert kept["plan"] == saved["plan"] and kept["sizes"]["fits"] == saved["sizes"]["fits"]
         more = [again(b) for b in batches[2:]]
     # Settled: neither the size that failed (16) nor a probe between 8 and 16 (12) is tried.
     assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in again.attempts] == [(0, 8, "ok"), (1, 8, "ok")]
