@@ -98,10 +98,21 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     tensors first and starts from the fastest one predicted to fit; `capacity_check=False` starts
     from the whole global batch and lets the ladder find the plan.
 
-    Under torch.distributed (e.g. torchrun) every rank calls `run` with the same data: DDP runs the
-    model, each rank trains its share of every global batch, and all ranks keep the same plan
-    (see autofit.distributed).
+    Under torch.distributed (e.g. torchrun) every rank calls `run`, each with its own share of the
+    data (a DataLoader with a DistributedSampler; autofit calls its set_epoch each epoch) or all
+    with the same global batches; each rank trains its share of every global batch, and all ranks
+    keep the same plan (see autofit.distributed).
     """
+    lockstep = open_lockstep(model)  # first: every failure after this is announced to the other ranks
+    with lockstep.scope() if lockstep else contextlib.nullcontext():
+        return _run(model, data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler, epochs=epochs,
+                    batch_size=batch_size, eval_data=eval_data, budget=budget, precision=precision,
+                    ladder=ladder, cache=cache, progress=progress, metric_fn=metric_fn,
+                    capacity_check=capacity_check, tune=tune, lockstep=lockstep)
+
+
+def _run(model, data, *, loss_fn, optimizer, scheduler, epochs, batch_size, eval_data, budget, precision,
+         ladder, cache, progress, metric_fn, capacity_check, tune, lockstep):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     _check_positive_int("epochs", epochs)
@@ -115,26 +126,26 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     first, epoch_batches = global_batches(data, batch_size, epochs)
     first_rows = rows_of(first)  # raises on a batch that cannot be split
-    lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
     if tune_options is not None and lockstep is not None:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
     shard = _same
     if lockstep is not None:
-        model = lockstep.module  # DDP runs it: the user's DDP, or one made for the run
-        if batch_size is not None:
-            lockstep.check_dataset(len(data), batch_size)
-        first_rows = rows_of(lockstep.local(first))  # a plan is per rank: its rows of a global batch
+        model = lockstep.module  # autofit runs the module itself (inside the user's DDP, if any)
         shard = lockstep.next_batch
         progress = progress and lockstep.rank == 0
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
     user_ladder = None if ladder is None else as_move(ladder)
 
-    with open_device(budget) as device, (lockstep.scope() if lockstep else contextlib.nullcontext()):
+    with open_device(budget) as device:
         device.place_model(model)
-        if lockstep is not None:
-            model, ddp = lockstep.wrap(model, device)
+        if lockstep is not None:  # the first agreement: how the data is given, rank 0's weights
+            lockstep.hello(first, data, device, dataset=batch_size is not None)
+            if batch_size is not None:
+                lockstep.check_dataset(len(data), batch_size)
+            first_rows = rows_of(lockstep.local(first))  # a plan is per rank: its rows of a global batch
+            epoch_batches = lockstep.epochs(epoch_batches)
         was_training = model.training
         model.train()
         opt, own_optimizer = build_optimizer(optimizer, model)
@@ -184,7 +195,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
             runner = StepRunner(model, opt, device, scheduler=sched, loss_fn=loss_fn,
                                 count_tokens=count_tokens)
         else:
-            runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=ddp, scheduler=sched,
+            runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, scheduler=sched,
                                            loss_fn=loss_fn, count_tokens=count_tokens)
         controller = Controller(runner, moves, start, sizes=sizes, reason=reason, quiet=not progress,
                                 settle_within=settle_within)
@@ -212,8 +223,6 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         finally:
             result.leaks = watch.findings
             runner.close()
-            if lockstep is not None:
-                lockstep.close()
             if not was_training:
                 model.eval()
             result.attempts = controller.attempts
