@@ -96,7 +96,7 @@ ITERABLE, SAMPLED, DATASET = range(3)  # how a rank's data came: batches, a Dist
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the
 # others waiting in it, and no agreement can come first.
 COLLECTIVE_LAYERS = (torch.nn.SyncBatchNorm, torch.nn.parallel.DistributedDataParallel)
-FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag")
+FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
 MESSAGE_BYTES = 1024
 
 
@@ -196,6 +196,13 @@ class Verdict:
 
     def _mismatch(self) -> str | None:
         alive = [(r, h) for r, h in enumerate(self.headers) if int(h["code"]) != ERROR]
+        if len({h["model"] for _, h in alive}) > 1:
+            groups = {}
+            for r, h in alive:
+                groups.setdefault(int(h["model"]), []).append(str(r))
+            shown = "; ".join(f"ranks {', '.join(g)}: {m:08x}" for m, g in groups.items())
+            return (f"the ranks' models differ (hashes of their parameters' and buffers' names, shapes "
+                    f"and dtypes: {shown}); give every rank the same model.")
         if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
             return None
         where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
@@ -259,7 +266,14 @@ class Lockstep:
         self.agreement_group = self._cpu_group()
         self.user_ddp = ddp
         self.module = ddp.module if ddp is not None else model
+        if not isinstance(self.module, torch.nn.Module):  # run refuses it, inside the lockstep's scope
+            self.module = torch.nn.Module()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # Headers carry one entry per parameter only once every rank is known to have the same model.
+        self.model_hash = zlib.crc32(repr([(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in
+                                           itertools.chain(self.module.named_parameters(),
+                                                           self.module.named_buffers())]).encode())
+        self.met = False
         self.step = -1
         self.global_batch = None
         self.settled = False     # the other ranks know how this rank's run ends: no farewell
@@ -303,10 +317,10 @@ class Lockstep:
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
         n = len(FIELDS)
         with host():  # tiny CPU tensors that must never count against a simulated budget
-            header = torch.zeros(n + len(self.params), dtype=torch.float64)
+            header = torch.zeros(n + (len(self.params) if self.met else 0), dtype=torch.float64)
             header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag)], dtype=torch.float64)
-            if mask is not None:
+                                       float(flag), self.model_hash], dtype=torch.float64)
+            if mask is not None and self.met:
                 header[n:] = torch.tensor(mask, dtype=torch.float64)
             rows = [t.tolist() for t in self._all_gather(header)]
             messages = None
@@ -371,6 +385,7 @@ class Lockstep:
         with self._host():
             digest = float(content_hash(first))
         verdict = self.agree(HELLO, value=digest, value2=float(kind), host=self._host)
+        self.met = True  # every rank has this model: headers may carry per-parameter entries
         self.per_rank = self._per_rank({int(k) for k in verdict.values("value2")}, verdict.values())
         with torch.no_grad():
             src = self._global(0)
@@ -520,6 +535,38 @@ class Lockstep:
         self.global_batch = batch
         return self.local(batch)
 
+    # -- evaluation ----------------------------------------------------------------------------
+    def eval_share(self, data):
+        """This rank's share of the evaluation data, so each sample is evaluated once: a contiguous
+        part of a map-style Dataset, the rows [r*n/W, (r+1)*n/W) of each batch of an iterable, or the
+        data itself when a DistributedSampler already gives each rank its share."""
+        from .eval_data import is_map_dataset
+        if distributed_sampler(data) is not None:
+            return data
+        if is_map_dataset(data):
+            n = len(data)
+            return torch.utils.data.Subset(data, range(self.rank * n // self.world,
+                                                       (self.rank + 1) * n // self.world))
+        return _RowShare(data, self.rank, self.world)
+
+    def combine_eval(self, result):
+        """Every rank's EvalResult of its share -> the same EvalResult of the whole data on every
+        rank: loss and metrics weighted as one process would weight them."""
+        import dataclasses
+        names = sorted(result.metrics)
+        verdict = self.agree(EVALUATE, plan=None, value=float(zlib.crc32(repr(names).encode())),
+                             host=self._host)
+        if len(set(verdict.values())) > 1:
+            raise LockstepError("the ranks' metric_fn returned different metric names; return the same "
+                                "names on every rank.")
+        with self._host():
+            mine = torch.tensor([result.loss * result.weight, result.weight, result.samples]
+                                + [result.metrics[k] * result.samples for k in names], dtype=torch.float64)
+            rows = [t.tolist() for t in self._all_gather(mine)]
+        loss_sum, weight, samples, *metric_sums = (math.fsum(column) for column in zip(*rows))
+        return dataclasses.replace(result, loss=loss_sum / weight, weight=weight, samples=int(samples),
+                                   metrics={k: v / samples for k, v in zip(names, metric_sums)})
+
     def finish(self) -> None:
         """The last agreement of a run: every rank got here with no error and the same step count."""
         self.agree(DONE, host=self._host)
@@ -575,6 +622,20 @@ class Lockstep:
                 failure = error
             self.agree(STEP, failure=failure, plan=plan, host=self._host)
         return step
+
+
+class _RowShare:
+    """An iterable of batches yielding rank r's rows [r*n/W, (r+1)*n/W) of each (empty ones skipped)."""
+
+    def __init__(self, data, rank: int, world: int):
+        self.data, self.rank, self.world = data, rank, world
+
+    def __iter__(self):
+        for batch in self.data:
+            n = rows_of(batch)
+            lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
+            if hi > lo:
+                yield slice_batch(batch, lo, hi)
 
 
 class DistributedStepRunner(StepRunner):

@@ -205,9 +205,12 @@ def _run(model, data, *, loss_fn, optimizer, scheduler, epochs, batch_size, eval
         sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
 
         def evaluation(epoch):
-            done = evaluate(model, eval_data, loss_fn=loss_fn, metric_fn=metric_fn, device=device,
+            share = lockstep.eval_share(eval_data) if lockstep else eval_data  # each sample on one rank
+            done = evaluate(model, share, loss_fn=loss_fn, metric_fn=metric_fn, device=device,
                             sizer=sizer, expect_like=first, progress=progress,
                             start_batch_size=EVAL_START_FACTOR * controller.plan.micro_batch_size)
+            if lockstep is not None:
+                done = lockstep.combine_eval(done)  # the mean over every rank's share
             result.eval_attempts.extend(done.attempts)
             result.eval_history.append(done.record(epoch))
         try:
