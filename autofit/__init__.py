@@ -9,6 +9,7 @@ from .plan import Plan
 from .run import RunResult, run
 from .simulate import simulate_gpu
 from .sizes import parse_size
+from .stepper import StepOutput, stepper
 from .tuning import TuneResult, tune
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryNotReleased",
     "Plan",
     "RunResult",
+    "StepOutput",
     "TuneResult",
     "estimate",
     "evaluate",
@@ -29,5 +31,6 @@ __all__ = [
     "parse_size",
     "run",
     "simulate_gpu",
+    "stepper",
     "tune",
 ]

@@ -36,6 +36,7 @@ class Offloaded:
             _restore_group_options(self.host, groups)
         # The device copy of the state is now redundant: free it.
         optimizer.state.clear()
+        self.clip = None  # clip(host params) before each update: gradient clipping on the host copy
 
     @property
     def param_groups(self):
@@ -59,6 +60,8 @@ class Offloaded:
                         host_group[k] = v
             for p, h in self.pairs:
                 h.grad = None if p.grad is None else p.grad.detach().to("cpu", h.dtype, copy=True)
+            if self.clip is not None:
+                self.clip([h for _, h in self.pairs])
             self.host.step()
             for _, h in self.pairs:
                 h.grad = None

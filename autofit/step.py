@@ -59,9 +59,11 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
-                 count_tokens=None, sync=None, forward=None):
+                 count_tokens=None, sync=None, forward=None, max_grad_norm=None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: float | None = None  # the last step's gradient norm, before clipping
         # sync(i, last) -> context around micro-step i's forward and backward (DDP's no_sync).
         self.sync = sync or (lambda i, last: contextlib.nullcontext())
         self.forward = forward if forward is not None else model  # what is called (a DDP wrapper)
@@ -77,6 +79,8 @@ class StepRunner:
         self.checkpointing.set(plan.checkpointing)
         if plan.offload_optimizer and self.offloaded is None:
             self.offloaded = Offloaded(self.optimizer, self.device)
+            if self.max_grad_norm is not None:  # on the host copy: the device allocates nothing for it
+                self.offloaded.clip = self._clip
         elif not plan.offload_optimizer and self.offloaded is not None:
             self.offloaded.give_back()
             self.offloaded = None
@@ -143,11 +147,19 @@ class StepRunner:
         """One optimizer step; `guard` overrides the atomic step's own choice (None: its own),
         `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
         target = self.offloaded or self.optimizer
-        if self.scaler is not None:
-            def step():
+        self.grad_norm = None
+
+        def step():
+            # Clipping is part of the step: an OOM in it rolls back with the update.
+            if self.max_grad_norm is not None:
+                if self.scaler is not None:
+                    self.scaler.unscale_(target)  # the norm of the true gradient, not the scaled one
+                if self.offloaded is None:
+                    self._clip(self.model.parameters())
+            if self.scaler is not None:
                 self.scaler.step(target)
-        else:
-            step = target.step
+            else:
+                target.step()
         if wrap is not None:
             step = wrap(step)
         key = config_of(plan)
@@ -160,3 +172,8 @@ class StepRunner:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self, params) -> None:
+        """Clip the accumulated gradient of the whole global batch, as a plain loop would."""
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        self.grad_norm = norm.item()

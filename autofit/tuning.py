@@ -52,6 +52,7 @@ from .batches import batch_size as rows_of
 from .controller import Attempt
 from .device import open_device
 from .errors import DoesNotFit
+from .inputs import build_optimizer, global_batches
 from .ladder import SizeLog, config_of
 from .memo import Memo
 from .plan import PRECISIONS, Plan
@@ -131,7 +132,6 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, batch_si
                          f"DataLoader or a Dataset.")
     _refuse_distributed()
     import_optuna()  # before any work
-    from .run import build_optimizer, global_batches  # here: run imports this module for tune=True
 
     with kept_rng():
         first, epoch_batches = global_batches(data, batch_size, 1)

@@ -1,0 +1,203 @@
+"""The setup one training job needs, shared by `autofit.run` and `autofit.stepper`.
+
+setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
+model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
+first global batch): the plan cache, the start plan (tuned, cached, estimated, or the whole batch),
+the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
+last agreement and the cache written after a clean end, then the model, optimizer and device handed
+back as a plain loop would leave them (checkpointing switches off, offloaded state home, the budget
+restored). A single process has no lockstep: `Local` has the same interface and does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+
+from .batches import batch_size as rows_of
+from .batches import token_counter
+from .controller import Controller
+from .device import open_device
+from .distributed import DistributedStepRunner, open_lockstep
+from .errors import DoesNotFit
+from .inputs import build_optimizer, build_scheduler, check_training_options
+from .ladder import SizeLog, as_move, default_ladder
+from .leaks import LeakWatch
+from .memo import Memo
+from .plan import Plan
+from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
+from .step import StepRunner
+
+log = logging.getLogger("autofit")
+
+
+class Training:
+    """One training job: see the module's docstring. `progress` also decides step-down logging."""
+
+    def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
+                 precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
+                 capacity_check=True):
+        check_training_options(model=model, precision=precision, loss_fn=loss_fn,
+                               max_grad_norm=max_grad_norm)
+        self.lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+        if self.lockstep is not None:
+            model = self.lockstep.module  # autofit runs the module itself (inside the user's DDP, if any)
+            progress = progress and self.lockstep.rank == 0
+        self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
+        self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
+        self.max_grad_norm, self.cache, self.progress = max_grad_norm, cache, progress
+        self.capacity_check = capacity_check
+        self.user_ladder = None if ladder is None else as_move(ladder)
+        self.sizes = SizeLog()
+        self.controller = self.runner = self.watch = self.memo = None
+        self.findings: list[dict] = []  # autofit.leaks findings, kept after the watch is gone
+        self.step = 0             # global batches trained
+        self.samples = 0
+
+    # -- setup and cleanup ---------------------------------------------------------------------
+    def __enter__(self) -> "Training":
+        lockstep = self.lockstep
+        self._stack = contextlib.ExitStack()
+        self.device = device = self._stack.enter_context(open_device(self.budget))
+        if lockstep is not None:
+            self._stack.enter_context(lockstep.scope())
+        try:
+            model = self.model
+            device.place_model(model)
+            self.was_training = model.training
+            model.train()
+            self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
+            device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
+            self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
+            if self.precision == "fp16" and device.type == "cpu":
+                log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
+        except BaseException:
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+        return self
+
+    def announced(self):
+        """A context in which an error escaping on this rank is announced to the other ranks."""
+        return self.lockstep.scope() if self.lockstep is not None else contextlib.nullcontext()
+
+    def rows(self, batch) -> int:
+        """Rows of `batch` one plan covers: this rank's share under torch.distributed."""
+        return rows_of(self.lockstep.local(batch) if self.lockstep else batch)
+
+    def start(self, first, *, data=None, tuned=None, resume=None, batch_size=None) -> None:
+        """Choose the start plan from the first global batch and build the controller.
+        `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
+        `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
+        `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
+        lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
+        sizes, precision = self.sizes, self.precision
+        if lockstep is not None:  # the first agreement: how the data is given, rank 0's weights
+            lockstep.hello(first, data, device, dataset=batch_size is not None)
+            if batch_size is not None:
+                lockstep.check_dataset(len(data), batch_size)
+            lockstep.agree_budgets(device, tensor_budget)
+        first_rows = self.rows(first)  # a plan is per rank: its rows of a global batch
+        self.memo = memo = Memo(
+            model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
+            device=lockstep.cache_view(device) if lockstep else device,
+            enabled=self.cache and (lockstep is None or lockstep.rank == 0))  # rank 0 owns the cache
+
+        def choose():
+            """(start plan, reason, settle_within); fills `sizes` with what is already known."""
+            if resume is not None:
+                plan, known = resume
+                known.settle_proven(plan)  # a resumed job starts settled: no upward probe
+                sizes.fits, sizes.fails = known.fits, known.fails
+                return (plan.with_micro_batch(plan.micro_batch_size, first_rows),
+                        "resumed: the plan and sizes of a state_dict", 0.0)
+            if tuned is not None:
+                sizes.settle(tuned.plan)  # for every length
+                return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
+                        f"tuned: fastest of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s)", 0.0)
+            recalled = memo.recall(sizes)
+            if recalled is not None:
+                return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
+            if self.capacity_check and self.user_ladder is None:
+                batch = longest_batch(data, first) if data is not None else first
+                estimated = estimated_start(model, lockstep.local(batch) if lockstep else batch, opt,
+                                            self.loss_fn,
+                                            lockstep.estimate_view(device) if lockstep else device,
+                                            precision, sizes)
+                if estimated is not None:
+                    start, reason = estimated
+                    return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
+            return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
+                    "start: the whole global batch at once", 0.0)
+        # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
+        start, reason, settle_within = lockstep.agree_start(choose, sizes) if lockstep else choose()
+        moves = self.user_ladder or default_ladder(sizes, precision, device.supports_bf16())
+        count_tokens = token_counter(model) if self.loss_fn is None else None
+        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
+                       max_grad_norm=self.max_grad_norm)
+        if lockstep is None:
+            self.runner = StepRunner(model, opt, device, **options)
+        else:
+            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, **options)
+        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
+                                     quiet=not self.progress, settle_within=settle_within)
+        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
+        self.watch.check_batch(first, data)
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.controller is None else self.controller.plan
+
+    @property
+    def attempts(self) -> list:
+        return [] if self.controller is None else self.controller.attempts
+
+    def train(self, batch) -> float:
+        """Train one global batch (replayed on OOM); returns its loss."""
+        shard = self.lockstep.next_batch if self.lockstep else _same
+        loss = self.controller.train(shard(batch), self.step)
+        self.watch.after_step(self.step, self.controller.plan, batch)
+        self.step += 1
+        self.samples += rows_of(batch)
+        return loss
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        try:
+            if error is None:
+                if self.lockstep is not None:
+                    self.lockstep.finish()  # every rank got to the end, at the same step
+                if self.controller is not None:
+                    self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
+                                       self.samples)
+            elif isinstance(error, DoesNotFit) and self.watch is not None:
+                error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+        except BaseException:
+            self._close()
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+            return False
+        self._close()
+        return self._stack.__exit__(kind, error, traceback)
+
+    def _close(self) -> None:
+        """Hand the model and optimizer back as a plain loop would leave them."""
+        if self.runner is not None:
+            self.runner.close()
+        if not self.was_training:
+            self.model.eval()
+        if self.own_optimizer:
+            self.optimizer.state.clear()
+        if self.watch is not None:
+            self.findings = self.watch.findings
+        # Drop the references to the step's objects so gc can free them now.
+        self.runner = self.scheduler = self.watch = None
+        if self.controller is not None:
+            self.controller.runner = None
+        gc.collect()
+        self.device.empty_cache()
+
+
+def _same(batch):
+    return batch

@@ -1,0 +1,319 @@
+"""autofit.stepper: one OOM-proof global step in the user's own loop, equal to a plain loop."""
+
+import json
+
+import pytest
+import torch
+
+import autofit
+from autofit.ladder import checkpointing, offload_optimizer
+from autofit.plan import Plan
+from reference import bert, cls_batches, max_diff, model_bytes, second_step_peak, storage_bytes
+
+
+def halve(plan):
+    return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
+
+
+def plain(model, batches, micro_sizes, opt, sched=None, max_norm=None):
+    """A plain loop: split, weight by rows, accumulate, clip the whole gradient, one step per batch.
+    Returns the gradient norms (before clipping)."""
+    norms = []
+    model.train()
+    for batch, micro in zip(batches, micro_sizes):
+        n = len(batch["labels"])
+        for i in range(0, n, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            (model(**part).loss * (len(part["labels"]) / n)).backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
+
+
+def test_an_injected_oom_is_replayed_and_the_result_equals_the_plain_loop():
+    batches = cls_batches(3, rows=8)
+    model = bert()
+    opt = sgd(model.parameters())
+    sched = warmup(opt)
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)  # the first allocation of the first step
+        with autofit.stepper(model, opt, scheduler=sched, precision="fp32", ladder=halve) as step:
+            outs = [step(b) for b in batches]
+    assert [[(a.step, a.plan.micro_batch_size, a.outcome) for a in o.attempts] for o in outs] == [
+        [(0, 8, "oom"), (0, 4, "ok")], [(1, 6, "ok")], [(2, 7, "ok")]]  # then searches upward
+    assert [(a.step, a.outcome) for a in step.attempts] == [(0, "oom"), (0, "ok"), (1, "ok"), (2, "ok")]
+    assert step.plan == outs[-1].plan == Plan.for_batch(8, 7)
+    assert all(isinstance(o.loss, float) and o.grad_norm is None for o in outs)
+    assert sched.last_epoch == 3  # once per global batch, never for the failed attempt
+    reference = bert()
+    ref_opt = sgd(reference.parameters())
+    plain(reference, batches, [o.plan.micro_batch_size for o in outs], ref_opt, warmup(ref_opt))
+    assert max_diff(model, reference) == 0.0
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_factories_and_a_budget_step_down_then_a_resumed_job_makes_no_oom_attempt():
+    batches = cls_batches(4, rows=16, seq=32)
+    p16 = second_step_peak(bert(), batches[0], Plan(16))
+    p8 = second_step_peak(bert(), batches[0], Plan.for_batch(16, 8))
+    budget = (p8 + p16) // 2
+    job = dict(budget=budget, precision="fp32", capacity_check=False, cache=False)
+    model = bert()
+    with autofit.stepper(model, torch.optim.AdamW, scheduler=warmup, **job) as step:
+        outs = [step(b) for b in batches[:2]]
+        saved = json.loads(json.dumps(step.state_dict()))  # plain JSON types
+    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in step.attempts] == [
+        (0, 16, "oom"), (0, 8, "ok"), (1, 12, "ok")]  # halved, then searching upward below 16
+    assert saved["plan"] == Plan.for_batch(16, 12).to_dict()
+    # The job resumes from a checkpoint: weights, optimizer and the stepper's state.
+    resumed = bert()
+    resumed.load_state_dict(model.state_dict())
+    with autofit.stepper(resumed, torch.optim.AdamW, scheduler=warmup, **job) as again:
+        again.load_state_dict(saved)
+        assert again.plan == Plan.for_batch(16, 12)
+        more = [again(b) for b in batches[2:]]
+    # Settled: neither the size that failed (16) nor a probe between 12 and 16 (14) is tried.
+    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in again.attempts] == [(0, 12, "ok"), (1, 12, "ok")]
+    assert again.attempts[0].reason.startswith("resumed")
+    assert [o.plan.micro_batch_size for o in outs + more] == [8, 12, 12, 12]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_clipping_equals_a_plain_loop_clipping_the_accumulated_gradient(offload):
+    batches = cls_batches(3, rows=8)
+    model = bert()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    move = (offload_optimizer() | halve) if offload else halve
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        with autofit.stepper(model, opt, precision="fp32", ladder=move, max_grad_norm=0.15) as step:
+            outs = [step(b) for b in batches]
+        # Leaving the block gave the offloaded state back: it is the optimizer's again, on the device.
+        assert all(gpu.holds(s["exp_avg"]) for s in opt.state.values())
+    assert [o.plan.offload_optimizer for o in outs] == [offload] * 3
+    reference = bert()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    norms = plain(reference, batches, [o.plan.micro_batch_size for o in outs], ref_opt, max_norm=0.15)
+    assert [o.grad_norm for o in outs] == norms
+    assert min(norms) > 0.15  # the clipping did act
+    assert max_diff(model, reference) <= (1e-6 if offload else 0.0)
+
+
+def test_clipping_under_fp16_unscales_first():
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = make()
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                         precision="fp16", max_grad_norm=0.1, cache=False) as step:
+        outs = [step(b) for b in batches]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    norms = []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(reference, (x, y))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1).item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    assert [o.grad_norm for o in outs] == norms
+    assert min(norms) > 0.1
+    assert max_diff(model, reference) == 0.0
+
+
+def test_an_oom_while_clipping_rolls_back_and_replays(monkeypatch):
+    batches = cls_batches(2, rows=8)
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def clip_once_failing(params, max_norm):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+        return clip(params, max_norm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_once_failing)
+    model = bert()
+    # With a budget the first step of a plan is guarded (its need is not known yet).
+    with autofit.stepper(model, torch.optim.AdamW(model.parameters()), precision="fp32", ladder=halve,
+                         max_grad_norm=1.0, cache=False, budget="1GiB") as step:
+        outs = [step(b) for b in batches]
+    first = outs[0].attempts[0]
+    assert (first.outcome, first.where) == ("oom", "optimizer.step")
+    assert "rolled back" in first.error
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    reference = bert()
+    plain(reference, batches, [o.plan.micro_batch_size for o in outs],
+          torch.optim.AdamW(reference.parameters()), max_norm=1.0)
+    assert max_diff(model, reference) == 0.0
+
+
+def test_leaving_the_block_hands_everything_back():
+    batches = cls_batches(2, rows=8)
+    model = bert()
+    model.eval()
+    opt = torch.optim.AdamW(model.parameters())
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        with autofit.stepper(model, opt, precision="fp32", ladder=checkpointing()) as step:
+            assert model.training
+            for b in batches:
+                step(b)
+            assert model.is_activation_checkpointing
+        assert step.plan.checkpointing
+        assert not model.is_activation_checkpointing and not model.training
+        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and gpu.holds(t)]
+        assert len(state) == 2 * len(list(model.parameters()))  # exp_avg, exp_avg_sq
+        assert gpu.memory_allocated() == model_bytes(model) + storage_bytes(state)
+    with pytest.raises(RuntimeError, match="this stepper's block has ended"):
+        step(batches[0])
+
+
+def test_an_error_in_the_users_loop_still_hands_everything_back():
+    model = bert()
+    with autofit.simulate_gpu() as gpu:
+        with pytest.raises(KeyError):
+            with autofit.stepper(model, lambda p: torch.optim.AdamW(p), precision="fp32") as step:
+                step(cls_batches(1, rows=8)[0])
+                raise KeyError("the user's own loop failed")
+        assert gpu.memory_allocated() == model_bytes(model)  # a factory's optimizer state goes too
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"max_grad_norm": 0}, ValueError, "max_grad_norm must be a positive number (or None: no clipping) but got 0"),
+    ({"max_grad_norm": float("nan")}, ValueError, "but got nan"),
+    ({"precision": "fp8"}, ValueError, "'fp8'"),
+    ({"scheduler": 3}, TypeError, "scheduler must be a learning-rate scheduler"),
+    ({"optimizer": "adam"}, TypeError, "got str"),
+])
+def test_bad_input_is_refused(kwargs, error, text):
+    model = bert()
+    kwargs = {"optimizer": torch.optim.AdamW(model.parameters()), **kwargs}
+    with pytest.raises(error) as info:
+        with autofit.stepper(model, **kwargs):
+            pass
+    assert text in str(info.value)
+
+
+def test_a_scheduler_of_another_optimizer_and_a_foreign_state_dict_are_refused():
+    model = bert()
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="built on another optimizer"):
+        with autofit.stepper(model, torch.optim.AdamW(model.parameters()), scheduler=warmup(other)):
+            pass
+    with autofit.stepper(model, other) as step:
+        with pytest.raises(ValueError, match="not a stepper state_dict"):
+            step.load_state_dict({"plan": 3})
+
+
+def test_run_clips_the_global_gradient_and_reports_its_norm():
+    batches = cls_batches(3, rows=8)
+    model = bert()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        result = autofit.run(model, batches, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                             precision="fp32", ladder=halve, max_grad_norm=0.15, progress=False)
+    micro = [h["plan"].micro_batch_size for h in result.history]
+    assert micro == [4, 6, 7]
+    reference = bert()
+    norms = plain(reference, batches, micro, torch.optim.AdamW(reference.parameters(), lr=1e-2), max_norm=0.15)
+    assert [h["grad_norm"] for h in result.history] == norms and min(norms) > 0.15
+    assert max_diff(model, reference) == 0.0
+
+
+# -- torch.distributed: two gloo ranks, the same lockstep as run ----------------------------------
+
+def _ddp_worker(rank, init_file, out_dir):
+    import os
+    from datetime import timedelta
+    os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=2, timeout=timedelta(seconds=60))
+    model = bert()
+    if rank == 1:  # one OOM in rank 1's first forward: both ranks replay at the same smaller plan
+        def fail_once(module, args, kwargs):
+            hook.remove()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
+        hook = model.register_forward_pre_hook(fail_once, with_kwargs=True)
+    with autofit.stepper(model, torch.optim.AdamW, precision="fp32", ladder=halve, max_grad_norm=0.15,
+                         cache=False) as step:
+        outs = [step(b) for b in cls_batches(2, rows=8)]
+    seen = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in step.attempts],
+            "norms": [o.grad_norm for o in outs], "losses": [o.loss for o in outs]}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _clipped_split_loop(micro_sizes, max_norm):
+    """One process doing what two ranks do: each half of a global batch accumulated on its own in
+    micro-batches weighted by their share of the global batch, the halves summed, then clipped."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: the same kernels reduce in the same order
+    try:
+        model = bert()
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params)
+        norms = []
+        for batch, micro in zip(cls_batches(2, rows=8), micro_sizes):
+            summed = None
+            for start in (0, 4):
+                for i in range(start, start + 4, micro):
+                    part = {k: v[i:min(i + micro, start + 4)] for k, v in batch.items()}
+                    (model(**part).loss * (len(part["labels"]) / 8)).backward()
+                grads = [p.grad for p in params]
+                summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+                opt.zero_grad(set_to_none=True)
+            for p, g in zip(params, summed):
+                p.grad = g
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model.state_dict(), norms
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduced_gradient(tmp_path):
+    import time
+    context = torch.multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_ddp_worker, args=(r, str(tmp_path / "init"), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 180
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0] == seen[1]  # the same attempts, losses and norms on both ranks
+    assert seen[0]["attempts"] == [[0, 4, "oom"], [0, 2, "ok"], [1, 3, "ok"]]  # 4 rows per rank
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected, norms = _clipped_split_loop([2, 3], 0.15)
+    assert seen[0]["norms"] == norms and min(norms) > 0.15
+    for state in states:
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
