@@ -19,7 +19,8 @@ import torch
 WORLD = 2
 GLOBAL = 32                 # rows of a global batch: 16 per rank
 SLOWEST_ERROR_EXIT = 30.0   # seconds; the process group's timeout is 60 s, so a hang would show
-PROCESS_TIMEOUT = 240       # seconds for the whole spawn, a backstop that fails instead of hanging
+PROCESS_TIMEOUT = 480       # seconds for the whole spawn, a backstop that fails instead of hanging
+FAULTS = 6                  # allocations sampled for an injected fault (benchmarks/distributed_faults.py: all)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
@@ -295,6 +296,18 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
     result = run(bert(), data=batches[:1], eval_data=_Samples(), metric_fn=metric_fn, cache=False)
     seen["eval_dataset"] = {"history": result.eval_history, "rows": sum(evaluated)}
     torch.save(model.state_dict(), os.path.join(out_dir, f"eval-{rank}.pt"))
+
+    # 18. An out-of-memory error at allocations sampled across a whole run on rank 1 (placing the
+    # model, the agreements, forward/backward, the step, evaluation); rank 0 has no fault.
+    def faulted(at):
+        model = bert()
+        with autofit.simulate_gpu("64MiB") as gpu:
+            gpu.fail_at(at)
+            result = run(model, data=batches[:2], eval_data=batches[:1], cache=False)
+            return [a[:3] for a in _attempts(result)], gpu.allocation_count
+    _, count = faulted(None)
+    seen["faults"] = [_timed(lambda: faulted(count * k // FAULTS if rank == 1 else None)[0])
+                      for k in range(FAULTS)]
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -604,3 +617,18 @@ def test_evaluation_splits_the_data_across_ranks_with_the_same_global_mean(ranks
             assert abs(record["loss"] - whole.loss) <= 1e-6
             assert abs(record["accuracy"] - whole.metrics["accuracy"]) <= 1e-6
         assert r0[scenario]["history"] == r1[scenario]["history"]
+
+
+def test_an_oom_at_sampled_allocations_of_one_rank_is_recovered_or_announced(ranks):
+    (r0, r1), _ = ranks
+    kinds = []
+    for mine, other in zip(r1["faults"], r0["faults"]):
+        assert max(mine["seconds"], other["seconds"]) < SLOWEST_ERROR_EXIT
+        if "value" in mine:  # a step's OOM: replayed on both ranks, the same attempts
+            assert other["value"] == mine["value"] and "oom" in [a[2] for a in mine["value"]]
+            kinds.append("recovered")
+        else:
+            assert mine["error"] == "OutOfMemoryError" and other["error"] == "RankFailed", (mine, other)
+            assert other["message"].startswith("rank 1 failed with OutOfMemoryError")
+            kinds.append("announced")
+    assert kinds[0] == "announced" and "recovered" in kinds  # placing the model; a step
