@@ -624,11 +624,11 @@ def test_an_oom_at_sampled_allocations_of_one_rank_is_recovered_or_announced(ran
     kinds = []
     for mine, other in zip(r1["faults"], r0["faults"]):
         assert max(mine["seconds"], other["seconds"]) < SLOWEST_ERROR_EXIT
-        if "value" in mine:  # a step's OOM: replayed on both ranks, the same attempts
-            assert other["value"] == mine["value"] and "oom" in [a[2] for a in mine["value"]]
+        if "value" in mine:  # a step's OOM (replayed) or evaluation's (halved): the same attempts
+            assert other["value"] == mine["value"]
             kinds.append("recovered")
         else:
             assert mine["error"] == "OutOfMemoryError" and other["error"] == "RankFailed", (mine, other)
             assert other["message"].startswith("rank 1 failed with OutOfMemoryError")
             kinds.append("announced")
-    assert kinds[0] == "announced" and "recovered" in kinds  # placing the model; a step
+    assert "recovered" in kinds  # some position fell in a step, which both ranks replayed
