@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from .errors import PartialUpdateError
 from .oom import is_oom, summarize
 
 HEADROOM = 1.25       # margin over the last measured need of a step
 HEADROOM_BYTES = 1 << 20
-
-
-class PartialUpdateError(RuntimeError):
-    """The optimizer ran out of memory mid-update without a snapshot; retrying would corrupt it."""
 
 
 def _params(optimizer) -> list[torch.Tensor]:

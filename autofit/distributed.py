@@ -571,6 +571,9 @@ class Lockstep:
         """The last agreement of a run: every rank got here with no error and the same step count."""
         self.agree(DONE, host=self._host)
 
+    def close(self) -> None:
+        pass  # nothing to hand back: autofit made no wrapper
+
     # -- gradients and buffers -----------------------------------------------------------------
     def fill_missing_grads(self) -> list[float]:
         """Zero gradients where this rank has none, so every rank reduces the same tensors; returns

@@ -28,6 +28,11 @@ class DoesNotFit(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class PartialUpdateError(RuntimeError):
+    """The optimizer ran out of memory mid-update without a snapshot; retrying would corrupt it.
+    Not an out-of-memory error to recover from (oom.is_oom says no), though its text quotes one."""
+
+
 class MemoryNotReleased(RuntimeError):
     """After an OOM, memory did not return to what was allocated before the attempt."""
 

@@ -1,4 +1,5 @@
 """Fake-tensor estimator: the peak device memory of one training step under a plan, without a GPU.
+(Long: the meter, the fake device and the estimator are one mechanism and change together.)
 
 The real step runs — `StepRunner` with the plan's micro-batches, autocast, checkpointing and offload,
 the user's optimizer class and loss — on a copy of the model made of fake tensors
@@ -27,6 +28,11 @@ All fake tensors are on device `cpu` (fake `cuda` tensors abort the process in a
 build); the user's model, optimizer and batch are read, never changed, and their data is never
 copied: parameters of a model on `meta`, `cpu` or `cuda` all work.
 
+Where the step reads values that fake tensors lack (a mask's rows, `.item()`, a branch on `.any()`),
+`autofit.data_dependent` gives hints; where fake tensors cannot follow the step at all (`.numpy()`,
+a fake kernel stricter than the real one), `Estimator` measures it on real rows instead
+(`autofit.sampled`, said once in the log) and its estimates have `method="sampled"`.
+
 Known differences from a card, all small or covered by `rank`'s margin and calibration:
 - the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
 - autocast follows CPU's op lists (close to CUDA's for both dtypes);
@@ -39,6 +45,7 @@ Known differences from a card, all small or covered by `rank`'s margin and calib
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -48,17 +55,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
 from .cuda_attention import attention_as_on_cuda
+from .data_dependent import Hints, silenced_torch_logs, upper_bound
 from .device import SimulatedDevice, _map_tensors
-from .fakes import fake_like, fake_model, fake_optimizer, on_device_state, warm
+from .fakes import check_optimizer, fake_like, fake_model, fake_optimizer, on_device_state, warm
 from .memory import KINDS, format_breakdown, storage_bytes
 from .plan import Plan
 from .simulate import SimulatedGPU, _CountingMode, round_bytes
 from .step import StepRunner
 
+log = logging.getLogger("autofit")
+
 DEVICE_TYPES = ("cuda", "cpu")
 SCALER_BYTES = 2 * 512  # GradScaler's scale and growth tracker, which an fp16 plan adds
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted peak device memory of one training step under `plan`.
@@ -80,6 +88,9 @@ class MemoryEstimate:
     # The peak while optimizer.step() ran on the device: parameters, gradients, state and the
     # update's temporaries, the same for every plan that does not offload (None when it did).
     step_bytes: int | None = field(default=None, compare=False)
+    # "fake": a step on fake tensors; "sampled": measured on one and two real rows and
+    # extrapolated, for a model fake tensors cannot follow (autofit.sampled).
+    method: str = field(default="fake", compare=False)
 
     def describe(self, budget: int | None = None) -> str:
         """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
@@ -108,10 +119,12 @@ class _Meter(SimulatedGPU):
         self.in_step = False   # inside optimizer.step()
         self.step_top = None   # the peak while it ran
         self.carried = None    # the earlier micro-batches' loss total, until the step
+        self.outer_top, self.outer_breakdown = 0, dict(self.totals)  # the peak outside the step
 
     def start(self) -> None:
-        self.top = self._allocated
+        self.top = self.outer_top = self._allocated
         self.top_breakdown = dict(self.totals)
+        self.outer_breakdown = dict(self.totals)
 
     def step_begins(self, *_) -> None:
         self.carried = None  # the step's own total has replaced it
@@ -128,6 +141,9 @@ class _Meter(SimulatedGPU):
             yield
         finally:
             self.kind = previous
+
+    def _storage_bytes(self, storage) -> int:
+        return upper_bound(storage.nbytes())
 
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -150,6 +166,8 @@ class _Meter(SimulatedGPU):
             self.top_breakdown = dict(self.totals)
         if self.in_step and self._allocated > self.step_top:
             self.step_top = self._allocated
+        elif not self.in_step and self._allocated > self.outer_top:
+            self.outer_top, self.outer_breakdown = self._allocated, dict(self.totals)
 
     def _forget(self, key: int, nbytes: int) -> None:
         if key in self._live:
@@ -204,16 +222,42 @@ class Estimator:
         self.rows = batch_size(batch)  # raises on a batch that cannot be split
         self.device_type, self.loss_fn = device_type, loss_fn
         self.estimates = 0  # how many plans were measured
-        # A shape environment only so that the step's closing `loss.item()` gives a symbol.
-        self.mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-        with self._quiet(), self.mode:
-            self.model, fakes = fake_model(model)
-            self.model.train()
-            self.optimizer = fake_optimizer(optimizer, model, fakes, device_type)
-            warm(self.optimizer)
-            self.batch = _map_tensors(batch, fake_like)
+        # A shape environment so that values read from data (`loss.item()`, a mask's row count)
+        # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
+        shape_env = ShapeEnv()
+        shape_env.real_tensor_prop_unbacked_vals = Hints(shape_env)
+        self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
+        check_optimizer(optimizer, model)  # a wrong argument is said as such, never sampled around
+        self._source, self._sampled = (model, batch, optimizer), None
+        try:
+            with self._quiet(), self.mode:
+                self.model, fakes = fake_model(model)
+                self.model.train()
+                self.optimizer = fake_optimizer(optimizer, model, fakes, device_type)
+                warm(self.optimizer)
+                self.batch = _map_tensors(batch, fake_like)
+        except Exception as error:
+            self._sample(error)
+            return
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
+
+    def _sample(self, error: Exception) -> None:
+        """Fake tensors cannot follow this model: measure it on real rows from now on
+        (autofit.sampled), or raise `error` when that fails too."""
+        from .sampled import SampledEstimator
+        model, batch, optimizer = self._source
+        try:
+            self._sampled = SampledEstimator(model, batch, optimizer, self.loss_fn,
+                                             device_type=self.device_type)
+        except Exception as sample_error:
+            error.add_note(f"measuring it on real rows failed too: {type(sample_error).__name__}: "
+                           f"{sample_error}")
+            raise error from None
+        log.info("estimator: fake tensors cannot follow %s (%s: %s); measuring it on 1 and 2 real rows",
+                 type(model).__name__, type(error).__name__, (str(error).strip().splitlines() or [""])[0])
+        self.model, self.resident = self._sampled.model, self._sampled.resident
+        self.optimizer_name = self._sampled.optimizer_name
 
     def _quiet(self):
         """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on;
@@ -223,6 +267,7 @@ class Estimator:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.device("cpu"))
+        stack.enter_context(silenced_torch_logs())
         return stack
 
     def _state(self) -> list[torch.Tensor]:
@@ -239,14 +284,23 @@ class Estimator:
     def measure(self, plan: Plan) -> MemoryEstimate:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
-        with self._quiet():
-            estimate = self._measure(plan)
+        if self._sampled is None:
+            try:
+                with self._quiet():
+                    estimate = self._measure(plan)
+            except Exception as error:
+                self._sample(error)
+        if self._sampled is not None:
+            estimate = self._sampled.measure(plan)
         self.estimates += 1
         return estimate
 
+    def _device(self, meter):
+        return _FakeDevice(meter)
+
     def _measure(self, plan: Plan) -> MemoryEstimate:
         meter = _Meter()
-        device = _FakeDevice(meter)
+        device = self._device(meter)
         # fp16 has bf16's sizes; GradScaler's found-inf check needs real values.
         run_plan = plan.replace(precision="bf16") if plan.precision == "fp16" else plan
         # With accumulation, every micro-batch after the first holds what the first held plus all
@@ -282,6 +336,7 @@ class Estimator:
                     runner.run(batch, run_plan)
                     # Read before close(): bringing offloaded state back is the end of a run.
                     peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
+                    self.last_meter = meter  # what autofit.sampled extrapolates
                 finally:
                     runner.close()
         finally:

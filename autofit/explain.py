@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .coupling import describe as describe_coupling
 from .memory import KINDS, format_breakdown
 from .sizes import format_size
 
@@ -265,6 +266,9 @@ def explain(result_or_error) -> str:
         lines.append("The estimate before training, by kind: " + format_breakdown(breakdown, budget))
         lines.extend(f"  - {fix.text}" for fix in fixes_for(breakdown, result_or_error.plan, budget))
         return "\n".join(lines)
+    coupled = describe_coupling(getattr(result_or_error, "batch_coupled", None), training)
+    if coupled:
+        lines.append(coupled)
     leaks = list(getattr(result_or_error, "leaks", None) or [])  # autofit.leaks findings
     lines.extend(explain_leaks(leaks))
     if not any(a.outcome == "oom" for a in training + evaluation):

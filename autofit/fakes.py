@@ -57,6 +57,20 @@ def _same_kind(optimizer, groups) -> torch.optim.Optimizer:
     return built
 
 
+def check_optimizer(optimizer, model) -> None:
+    """Raise when `optimizer` is no optimizer argument, or holds tensors that are not the model's."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if missing:
+            raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
+                             f"the model (e.g. {list(missing[0].shape)}); build it over "
+                             f"model.parameters().")
+    elif optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or "
+                        f"None but got {type(optimizer).__name__}.")
+
+
 def fake_optimizer(optimizer, model, fakes: dict, device_type: str) -> torch.optim.Optimizer:
     """The optimizer the step would use, over the fake parameters (call under the mode).
 

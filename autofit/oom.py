@@ -6,6 +6,8 @@ import gc
 
 import torch
 
+from .errors import PartialUpdateError
+
 # Allocator messages that mean "out of memory" on the backends PyTorch ships, for errors that are
 # raised as plain RuntimeError (cuBLAS workspaces, HIP, XPU, the CPU allocator, older builds).
 OOM_MESSAGES = (
@@ -26,6 +28,8 @@ def is_oom(error: BaseException | None) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
+        if isinstance(error, PartialUpdateError):
+            return False  # an update half applied: replaying would apply part of it twice
         if isinstance(error, torch.OutOfMemoryError):
             return True
         if isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES):

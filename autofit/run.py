@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from .batches import batch_size as rows_of
 from .controller import Attempt
 from .eval_data import check_eval_data
-from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import PRECISION_POLICIES, build_optimizer, global_batches  # noqa: F401 (their old home)
 from .inputs import check_optimizer, check_training_options
 from .inputs import check_positive_int as _check_positive_int
@@ -27,6 +26,7 @@ class RunResult:
     eval_attempts: list = field(default_factory=list)         # list[autofit.evaluate.EvalAttempt]
     leaks: list = field(default_factory=list)  # autofit.leaks findings: {"kind", "culprit", "bytes", "fix"}
     tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
+    batch_coupled: list = field(default_factory=list)  # names of modules a split changes (BatchNorm)
 
     @property
     def oom_attempts(self) -> int:
@@ -35,7 +35,7 @@ class RunResult:
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
-        progress=True, metric_fn=None, capacity_check=True, tune=False):
+        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -51,6 +51,11 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     data (a DataLoader with a DistributedSampler; autofit calls its set_epoch each epoch) or all
     with the same global batches; each rank trains its share of every global batch, and all ranks
     keep the same plan (see autofit.distributed).
+
+    `allow_split=False` never splits a global batch into micro-batches (what a model with
+    BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
+    fits, DoesNotFit says so. A model with batch-coupled layers (autofit.coupling) walks a ladder
+    that keeps the batch whole first either way.
     """
     _check_positive_int("epochs", epochs)
     tune_options = None
@@ -61,8 +66,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     # The lockstep opens here, before the data is read: every failure after this is announced.
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=progress, capacity_check=capacity_check)
-    with training.announced():
+                        progress=progress, capacity_check=capacity_check, allow_split=allow_split)
+    with training.lockstep.scope():
         return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
                     eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
                     tune_options=tune_options)
@@ -72,8 +77,8 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
          tune_options):
     first, epoch_batches = global_batches(data, batch_size, epochs)
     rows_of(first)  # raises on a batch that cannot be split
-    lockstep, progress = training.lockstep, training.progress
-    if tune_options is not None and lockstep is not None:
+    progress = training.progress
+    if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
@@ -87,19 +92,13 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
                                  epoch_batches=epoch_batches, precision=precision, loss_fn=loss_fn,
                                  cache=cache)
         training.start(first, data=data, tuned=tuned, batch_size=batch_size)
-        if lockstep is not None:
-            epoch_batches = lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
+        epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
         result = RunResult(plan=training.plan, device=training.device.describe(),
-                           budget=training.device.budget, tune=tuned)
-        sizer = EvalSizer()  # the evaluation batch that worked, kept from epoch to epoch
+                           budget=training.device.budget, tune=tuned,
+                           batch_coupled=list(training.coupling.names))
 
         def evaluation(epoch):
-            share = lockstep.eval_share(eval_data) if lockstep else eval_data  # each sample on one rank
-            done = evaluate(training.model, share, loss_fn=loss_fn, metric_fn=metric_fn,
-                            device=training.device, sizer=sizer, expect_like=first, progress=progress,
-                            start_batch_size=EVAL_START_FACTOR * training.plan.micro_batch_size)
-            if lockstep is not None:
-                done = lockstep.combine_eval(done)  # the mean over every rank's share
+            done = training.evaluate(eval_data, metric_fn=metric_fn, expect_like=first, progress=progress)
             result.eval_attempts.extend(done.attempts)
             result.eval_history.append(done.record(epoch))
         try:

@@ -106,6 +106,9 @@ class SimulatedGPU:
         if self._live.pop(key, None) is not None:
             self._allocated -= nbytes
 
+    def _storage_bytes(self, storage) -> int:
+        return storage.nbytes()
+
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
         fresh = []
         given = None  # storages of the op's inputs: outputs that share one were not allocated by it
@@ -114,7 +117,7 @@ class SimulatedGPU:
                 continue
             storage = t.untyped_storage()
             key = id(storage)
-            nbytes = round_bytes(storage.nbytes())
+            nbytes = round_bytes(self._storage_bytes(storage))
             known = self._live.get(key)
             if known is not None:
                 if known[1] != nbytes:  # resized in place (out= ops, resize_)

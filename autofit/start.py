@@ -3,6 +3,8 @@
 The capacity check estimates candidate plans on fake tensors before the first step. The run then
 starts from the fastest plan predicted to fit within MARGIN of the budget, and OOMs only correct
 the estimate. When no plan can fit, the run stops before training with what would be needed.
+The check is optional: when the estimator cannot follow the model (an error of any kind inside it),
+that is said in one line and the run starts as it would without the check.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ def longest_batch(data, first):
     return max(data, key=elements)
 
 
+def cannot_estimate(model, error: BaseException, instead: str) -> None:
+    """Say in one line that the capacity check could not estimate `model`, why, and what happens."""
+    log.warning("capacity check: cannot estimate %s (%s); %s", type(model).__name__,
+                one_line(error), instead)
+
+
+def one_line(error: BaseException) -> str:
+    """'Type: first line of the message' (torch's messages run to many lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes):
     """(plan, reason) from the capacity check, None when there is nothing to check against; the
     sizes predicted not to fit are recorded in `sizes` (a SizeLog)."""
@@ -51,8 +65,12 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
-    candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
-                      margin=MARGIN, device_type=device_type, bf16_supported=device.supports_bf16())
+    try:
+        candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer, loss_fn=loss_fn,
+                          margin=MARGIN, device_type=device_type, bf16_supported=device.supports_bf16())
+    except Exception as error:  # the check is optional: an estimator failure never stops a run
+        cannot_estimate(model, error, "starting from the whole global batch; the ladder finds the plan")
+        return None
     chosen = choose(candidates)
     if chosen is None:
         leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None

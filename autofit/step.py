@@ -25,14 +25,16 @@ class NoLossError(ValueError):
     pass
 
 
-def compute_loss(model, batch, loss_fn=None) -> torch.Tensor:
-    """The scalar loss of one (micro-)batch: `loss_fn(model, batch)`, else the model's own."""
+def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
+    """The scalar loss of one (micro-)batch: `loss_fn(model, batch)`, else the model's own; `items`
+    ({"num_items_in_batch": n} or empty, see token_loss) is passed on to either."""
+    items = items or {}
     if loss_fn is not None:
-        loss = loss_fn(model, batch)
+        loss = loss_fn(model, batch, **items)
         where = "loss_fn"
     else:
         if isinstance(batch, Mapping):
-            out = model(**batch)
+            out = model(**batch, **items)
         elif isinstance(batch, (list, tuple)):
             out = model(*batch)
         else:
@@ -59,8 +61,10 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
-                 count_tokens=None, sync=None, forward=None, max_grad_norm=None):
+                 count_tokens=None, sync=None, forward=None, max_grad_norm=None, weighting=None):
         self.model, self.optimizer, self.device = model, optimizer, device
+        # token_loss.LossWeighting: how micro losses add up (None: count_tokens' shares, else rows)
+        self.weighting = weighting
         self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
         self.max_grad_norm = max_grad_norm
         self.grad_norm: float | None = None  # the last step's gradient norm, before clipping
@@ -110,6 +114,8 @@ class StepRunner:
         return total.item()
 
     def _shares(self, batch, parts) -> list[float]:
+        if self.weighting is not None:
+            return self.weighting.shares(batch, parts)
         return weights(batch, parts, self.count_tokens)
 
     def _accumulate(self, batch, plan) -> torch.Tensor:
@@ -121,6 +127,7 @@ class StepRunner:
         self.peak = 0
         parts = split(batch, plan.micro_batch_size)
         shares = self._shares(batch, parts)
+        items = self.weighting.items(batch) if self.weighting is not None else {}
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
         autocast = plan.precision != "fp32"
         for i, (part, share) in enumerate(zip(parts, shares)):
@@ -128,7 +135,7 @@ class StepRunner:
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
                 with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
-                    loss = compute_loss(self.forward, part, self.loss_fn)
+                    loss = compute_loss(self.forward, part, self.loss_fn, items)
                 scaled = loss * share
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)

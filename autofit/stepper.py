@@ -41,7 +41,7 @@ class Step:
 
     def __call__(self, batch) -> StepOutput:
         training = self._training
-        if training.runner is None and training.controller is not None:
+        if training.closed:
             raise RuntimeError("this stepper's block has ended; open a new `with autofit.stepper(...)` "
                                "to train more.")
         if training.controller is None:  # the first batch: the cache and the capacity check use it
@@ -50,6 +50,15 @@ class Step:
         loss = training.train(batch)
         return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
                           grad_norm=training.runner.grad_norm)
+
+    def evaluate(self, data, *, metric_fn=None, progress=False):
+        """Validation inside the block: `autofit.evaluate` with this stepper's loss and device, in
+        inference mode, its batch size starting from the training micro-batch's and kept between
+        calls; it never trains and never changes the training plan."""
+        if self._training.closed:
+            raise RuntimeError("this stepper's block has ended; call autofit.evaluate(model, data, ...) "
+                               "instead.")
+        return self._training.evaluate(data, metric_fn=metric_fn, progress=progress)
 
     @property
     def plan(self) -> Plan | None:
@@ -76,8 +85,9 @@ class Step:
         """The plan and the micro-batch sizes proven (plain JSON types), for a checkpoint: a job
         resumed with `load_state_dict` starts from them without an OOM attempt."""
         plan = self.plan
+        sizes = self._resume[1] if self._training.controller is None and self._resume else self._training.sizes
         return {"version": STATE_VERSION, "plan": None if plan is None else plan.to_dict(),
-                "sizes": self._training.sizes.to_json()}
+                "sizes": sizes.to_json()}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "sizes" not in state:

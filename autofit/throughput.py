@@ -156,10 +156,13 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
     (`estimated_start`), the fitting plans of the other precision when the policy is "auto", and
     for each configuration its largest fitting micro-batch with about 1/2 and 1/4 of it. The
     default comes first, then the others by `capacity.plan_cost`, fastest first."""
-    default, _ = estimated_start(model, batch, optimizer, loss_fn, device, precision, SizeLog())
-    default = default.with_micro_batch(default.micro_batch_size, global_batch)
+    started = estimated_start(model, batch, optimizer, loss_fn, device, precision, SizeLog())
+    if started is None:  # nothing to check against, or the estimator cannot follow the model
+        default = Plan.for_batch(global_batch, precision="fp32" if precision == "auto" else precision)
+    else:
+        default = started[0].with_micro_batch(started[0].micro_batch_size, global_batch)
     fitting = [default]
-    if precision == "auto":
+    if precision == "auto" and started is not None:
         mixed = "bf16" if device.supports_bf16() else "fp16"
         for other in [p for p in ("fp32", mixed) if p != default.precision]:
             fitting += [c.plan for c in rank(model, batch, tensor_budget(device), precision=other,

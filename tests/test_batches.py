@@ -227,3 +227,79 @@ def test_dataset_batches_in_order_with_a_shorter_last_batch():
     assert [b["y"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert batches[2]["x"].tolist() == [[8.0], [9.0]]
     assert list(dataset_batches(dataset, 4))[0]["y"].tolist() == [0, 1, 2, 3]  # no shuffling
+
+
+# -- per-row Python fields, numpy arrays, metadata ----------------------------------------------
+
+import numpy as np  # noqa: E402
+
+from autofit.batches import per_row_fields, row_elements  # noqa: E402
+
+
+def test_default_collate_text_fields_reach_micro_batches_with_their_rows():
+    from torch.utils.data import default_collate
+    samples = [{"input_ids": torch.arange(4) + i, "labels": torch.arange(4) + i, "ids": f"doc-{i}"}
+               for i in range(16)]
+    batch = default_collate(samples)
+    assert isinstance(batch["ids"], list) and len(batch["ids"]) == 16
+    parts = split(batch, 8)
+    assert [p["ids"] for p in parts] == [[f"doc-{i}" for i in range(8)], [f"doc-{i}" for i in range(8, 16)]]
+    assert [p["input_ids"][:, 0].tolist() for p in parts] == [list(range(8)), list(range(8, 16))]
+
+
+def test_per_row_lists_tuples_numpy_and_nested_dicts_split_with_the_rows():
+    batch = {"x": rows(5), "names": ("a", "b", "c", "d", "e"), "ints": [10, 11, 12, 13, 14],
+             "floats": [0.5, 1.5, 2.5, 3.5, 4.5], "np": np.arange(10).reshape(5, 2),
+             "meta": {"source": ["s0", "s1", "s2", "s3", "s4"], "lang": "en"}}
+    parts = split(batch, 2)
+    assert [p["names"] for p in parts] == [("a", "b"), ("c", "d"), ("e",)]
+    assert [p["ints"] for p in parts] == [[10, 11], [12, 13], [14]]
+    assert [p["floats"] for p in parts] == [[0.5, 1.5], [2.5, 3.5], [4.5]]
+    assert [p["np"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
+    assert [p["meta"]["source"] for p in parts] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert all(p["meta"]["lang"] == "en" for p in parts)
+    assert [p["x"].shape[0] for p in parts] == [2, 2, 1]
+
+
+def test_fields_that_are_not_per_row_go_whole_to_every_micro_batch():
+    classes = ["neg", "pos", "neutral"]  # metadata of another length than the 4 rows
+    batch = {"x": rows(4), "classes": classes, "temperature": 0.7, "task": "sst2", "empty": [],
+             "nested": [["a", "b"], ["c"]]}  # a list of lists of another length: metadata
+    for part in split(batch, 3):
+        assert part["classes"] is classes and part["temperature"] == 0.7 and part["task"] == "sst2"
+        assert part["empty"] == [] and part["nested"] == [["a", "b"], ["c"]]
+
+
+def test_per_sample_lists_collated_into_columns_are_split_per_column():
+    from torch.utils.data import default_collate
+    samples = [{"x": torch.tensor([i]), "tags": [f"t{i}", f"u{i}", f"v{i}"]} for i in range(4)]
+    batch = default_collate(samples)  # tags: 3 columns of 4 strings
+    parts = split(batch, 2)
+    assert parts[1]["tags"] == [("t2", "t3"), ("u2", "u3"), ("v2", "v3")]
+    # one list per row of another length than the rows: split as rows
+    batch = {"x": rows(4), "spans": [[1, 2], [3], [], [4, 5, 6]]}
+    assert [p["spans"] for p in split(batch, 2)] == [[[1, 2], [3]], [[], [4, 5, 6]]]
+
+
+def test_an_ambiguous_field_is_refused_with_its_name():
+    batch = {"x": rows(2), "pairs": [[1, 2], [3, 4]]}  # 2 rows of 2, or 2 columns of 2 rows?
+    with pytest.raises(ValueError, match=re.escape(
+            "batch['pairs'] is ambiguous: a list of 2 lists of 2 values each could be one list per row or "
+            "2 per-row columns")):
+        split(batch, 1)
+    with pytest.raises(ValueError, match=re.escape("batch['pairs'] is ambiguous")):
+        list(per_row_fields(batch))
+    assert split({"x": rows(2), "pairs": np.array([[1, 2], [3, 4]])}, 1)[1]["pairs"].tolist() == [[3, 4]]
+
+
+def test_batch_size_row_elements_weights_agree_on_per_row_fields():
+    batch = {"x": rows(4), "np": np.zeros((4, 5)), "ids": ["a", "b", "c", "d"], "meta": ["m"] * 3}
+    assert batch_size(batch) == 4
+    assert row_elements(batch) == 3 + 5  # tensors and numpy arrays; Python lists hold no device memory
+    assert [p for p, _ in per_row_fields(batch)] == ["batch['x']", "batch['np']", "batch['ids']"]
+    parts = split(batch, 3)
+    assert weights(batch, parts) == [0.75, 0.25]
+    with pytest.raises(ValueError, match=re.escape("batch['x'] has 4, batch['np'] has 3")):
+        batch_size({"x": rows(4), "np": np.zeros((3, 5))})
+    with pytest.raises(ValueError, match=re.escape("batch['s'] is a 0-dimensional numpy array")):
+        batch_size({"x": rows(4), "s": np.array(1.0)})

@@ -232,12 +232,49 @@ def test_probe_a_batch_the_model_cannot_take(capsys, user_module):
     code = main(["probe", "--gpu-mem", "2GiB", "--model", "af_cli_user:bad_batch", "--batch-size", "4",
                  "--seq-len", "8"])
     out, err = capsys.readouterr()
-    assert code == 2
+    assert code == 1  # no prediction, as for no fit; 2 is for bad usage only
     assert out == ""
-    assert err.startswith("autofit: error: estimating a training step of af_cli_user:bad_batch on its sample "
-                          "batch (BertForSequenceClassification, 0.17M parameters; batch input_ids[4, 8], "
-                          "pixel_values[4, 3]) failed: ")
+    assert err.startswith("autofit: cannot estimate this model: a training step of af_cli_user:bad_batch on "
+                          "its sample batch (BertForSequenceClassification, 0.17M parameters; batch "
+                          "input_ids[4, 8], pixel_values[4, 3]) failed: ")
     assert len(err.splitlines()) == 1
+
+
+ESTIMATOR_CANNOT = """
+    import torch
+
+    class ReadsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            loss = self.linear(x).pow(2).mean()
+            loss.detach().numpy()  # a value read on the host: fake tensors have none
+            return loss
+
+    def build(batch_size, seq_len):
+        with torch.device("meta"):  # no values: it cannot be measured on real rows either
+            return ReadsValues(), torch.zeros(batch_size, 4)
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_probe_a_model_the_estimator_cannot_follow_exits_1(capsys, user_module, as_json):
+    user_module("af_cli_values", ESTIMATOR_CANNOT)
+    argv = ["probe", "--gpu-mem", "2GiB", "--model", "af_cli_values:build", "--batch-size", "4"]
+    code = main(argv + ["--json"] if as_json else argv)
+    out, err = capsys.readouterr()
+    reason = ("cannot estimate this model: a training step of af_cli_values:build on its sample batch "
+              "(ReadsValues, 0.00M parameters; batch batch[4, 4]) failed: RuntimeError: .numpy() is not "
+              "supported for tensor subclasses.")
+    assert code == 1
+    assert err == f"autofit: {reason}\n"
+    if as_json:
+        got = json.loads(out)
+        assert (got["fits"], got["plan"], got["table"], got["reason"]) == (False, None, [], reason)
+    else:
+        assert out == ""
 
 
 def test_probe_config_json(capsys, tmp_path):

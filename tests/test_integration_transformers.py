@@ -8,6 +8,7 @@ Everything runs on CPU under a simulated GPU; OOMs are injected at an exact step
 
 from __future__ import annotations
 
+import logging
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
@@ -144,6 +145,22 @@ def test_fit_without_a_budget_on_cpu_keeps_the_arguments(tmp_path):
     fitted = fit_trainer(trainer)
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 2)
     assert "no budget" in fitted.reason
+
+
+def test_fit_with_an_estimator_that_fails_keeps_the_arguments_and_says_so(tmp_path, monkeypatch, caplog):
+    from autofit.integrations import hf_trainer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the estimator broke\nsecond line")
+    monkeypatch.setattr(hf_trainer, "rank", broken)
+    trainer = make(tmp_path, "fit")
+    with caplog.at_level(logging.WARNING, logger="autofit"):
+        fitted = fit_trainer(trainer, budget="1MiB")
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 2)
+    assert fitted.reason == "the estimator cannot follow the model: the TrainingArguments' batch kept"
+    assert [r.getMessage() for r in caplog.records if "cannot estimate" in r.getMessage()] == [
+        "capacity check: cannot estimate BertForSequenceClassification (RuntimeError: the estimator broke); "
+        "the TrainingArguments' batch kept; the ladder steps down on an out-of-memory error"]
 
 
 @pytest.mark.parametrize("rows, current, floor, expected", [
@@ -334,3 +351,27 @@ def test_loss_scaling_is_fixed_only_for_heads_that_ignore_the_item_count(tmp_pat
     gpt2 = Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
     # GPT-2's loss divides by num_items_in_batch: the Trainer's own scaling is right and kept.
     assert fit_trainer(gpt2).notes == () and gpt2.model_accepts_loss_kwargs is True
+
+
+def test_the_trainers_own_clipping_still_acts_after_a_step_down(tmp_path, monkeypatch):
+    clip = torch.nn.utils.clip_grad_norm_
+    clipped = []  # (max_norm, norm before clipping) of every clip the Trainer made
+
+    def recording(parameters, max_norm, *args, **kwargs):
+        norm = clip(parameters, max_norm, *args, **kwargs)
+        clipped.append((max_norm, norm.item()))
+        return norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    with autofit.simulate_gpu("8MiB") as gpu:
+        trainer = make(tmp_path, "run", callbacks=[FailAt(gpu, 2)], max_grad_norm=0.01)
+        run = train(trainer)
+    assert shape(run.attempts) == [(32, 1, "fp32", False, "oom", 2), (16, 2, "fp32", False, "ok", 4)]
+    # Steps 0-1 under 32 x 1; the OOM at step 2 resumed steps 2-3 under 16 x 2: each step clipped
+    # to the Trainer's 0.01 (the norms are above it, so every clip acted).
+    assert [m for m, _ in clipped] == [0.01] * 4 and min(n for _, n in clipped) > 0.01
+    ref = make(tmp_path, "ref", per=16, accum=2, save="no", max_grad_norm=0.01)
+    ref.model_accepts_loss_kwargs = False
+    ref.train()
+    # An uninterrupted 16 x 2 run clips the same gradients at steps 2-3.
+    assert [n for _, n in clipped[6:8]] == [n for _, n in clipped[2:4]]
+    assert max_diff(params(trainer), params(ref)) <= 1e-6

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autofit
+import stepper_ranks
 from autofit.ladder import checkpointing, offload_optimizer
 from autofit.plan import Plan
 from reference import bert, cls_batches, max_diff, model_bytes, second_step_peak, storage_bytes
@@ -65,7 +66,7 @@ def test_an_injected_oom_is_replayed_and_the_result_equals_the_plain_loop():
 
 
 def test_factories_and_a_budget_step_down_then_a_resumed_job_makes_no_oom_attempt():
-    batches = cls_batches(4, rows=16, seq=32)
+    batches = cls_batches(4, rows=16, seq=16)
     p16 = second_step_peak(bert(), batches[0], Plan(16))
     p8 = second_step_peak(bert(), batches[0], Plan.for_batch(16, 8))
     budget = (p8 + p16) // 2
@@ -75,19 +76,21 @@ def test_factories_and_a_budget_step_down_then_a_resumed_job_makes_no_oom_attemp
         outs = [step(b) for b in batches[:2]]
         saved = json.loads(json.dumps(step.state_dict()))  # plain JSON types
     assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in step.attempts] == [
-        (0, 16, "oom"), (0, 8, "ok"), (1, 12, "ok")]  # halved, then searching upward below 16
-    assert saved["plan"] == Plan.for_batch(16, 12).to_dict()
+        (0, 16, "ok"), (1, 16, "oom"), (1, 8, "ok")]  # 16 fits until AdamW's state exists
+    assert saved["plan"] == Plan.for_batch(16, 8).to_dict()
     # The job resumes from a checkpoint: weights, optimizer and the stepper's state.
     resumed = bert()
     resumed.load_state_dict(model.state_dict())
     with autofit.stepper(resumed, torch.optim.AdamW, scheduler=warmup, **job) as again:
         again.load_state_dict(saved)
-        assert again.plan == Plan.for_batch(16, 12)
+        assert again.plan == Plan.for_batch(16, 8)
+        kept = again.state_dict()  # a checkpoint taken before the first batch keeps what was proven
+        assert kept["plan"] == saved["plan"] and kept["sizes"]["fits"] == saved["sizes"]["fits"]
         more = [again(b) for b in batches[2:]]
-    # Settled: neither the size that failed (16) nor a probe between 12 and 16 (14) is tried.
-    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in again.attempts] == [(0, 12, "ok"), (1, 12, "ok")]
+    # Settled: neither the size that failed (16) nor a probe between 8 and 16 (12) is tried.
+    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in again.attempts] == [(0, 8, "ok"), (1, 8, "ok")]
     assert again.attempts[0].reason.startswith("resumed")
-    assert [o.plan.micro_batch_size for o in outs + more] == [8, 12, 12, 12]
+    assert [o.plan.micro_batch_size for o in outs + more] == [16, 8, 8, 8]
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -241,63 +244,10 @@ def test_run_clips_the_global_gradient_and_reports_its_norm():
 
 # -- torch.distributed: two gloo ranks, the same lockstep as run ----------------------------------
 
-def _ddp_worker(rank, init_file, out_dir):
-    import os
-    from datetime import timedelta
-    os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                         world_size=2, timeout=timedelta(seconds=60))
-    model = bert()
-    if rank == 1:  # one OOM in rank 1's first forward: both ranks replay at the same smaller plan
-        def fail_once(module, args, kwargs):
-            hook.remove()
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
-        hook = model.register_forward_pre_hook(fail_once, with_kwargs=True)
-    with autofit.stepper(model, torch.optim.AdamW, precision="fp32", ladder=halve, max_grad_norm=0.15,
-                         cache=False) as step:
-        outs = [step(b) for b in cls_batches(2, rows=8)]
-    seen = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in step.attempts],
-            "norms": [o.grad_norm for o in outs], "losses": [o.loss for o in outs]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
-
-
-def _clipped_split_loop(micro_sizes, max_norm):
-    """One process doing what two ranks do: each half of a global batch accumulated on its own in
-    micro-batches weighted by their share of the global batch, the halves summed, then clipped."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: the same kernels reduce in the same order
-    try:
-        model = bert()
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params)
-        norms = []
-        for batch, micro in zip(cls_batches(2, rows=8), micro_sizes):
-            summed = None
-            for start in (0, 4):
-                for i in range(start, start + 4, micro):
-                    part = {k: v[i:min(i + micro, start + 4)] for k, v in batch.items()}
-                    (model(**part).loss * (len(part["labels"]) / 8)).backward()
-                grads = [p.grad for p in params]
-                summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-                opt.zero_grad(set_to_none=True)
-            for p, g in zip(params, summed):
-                p.grad = g
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model.state_dict(), norms
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduced_gradient(tmp_path):
     import time
     context = torch.multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_ddp_worker, args=(r, str(tmp_path / "init"), str(tmp_path)))
+    procs = [context.Process(target=stepper_ranks.worker, args=(r, str(tmp_path / "init"), str(tmp_path)))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -313,7 +263,23 @@ def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduce
     assert seen[0] == seen[1]  # the same attempts, losses and norms on both ranks
     assert seen[0]["attempts"] == [[0, 4, "oom"], [0, 2, "ok"], [1, 3, "ok"]]  # 4 rows per rank
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    expected, norms = _clipped_split_loop([2, 3], 0.15)
+    expected, norms = stepper_ranks.split_loop([2, 3])
     assert seen[0]["norms"] == norms and min(norms) > 0.15
     for state in states:
         assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_an_unguarded_step_that_fails_half_way_stops_instead_of_being_replayed_on_top_of_itself():
+    class HalfWay(torch.optim.AdamW):
+        """Applies its update, then runs out of memory (foreach AdamW's failure mode)."""
+
+        def step(self, closure=None):
+            super().step(closure)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+    model = bert()
+    # No budget on a CPU: the free memory is unknown, so the step runs without a snapshot.
+    with pytest.raises(autofit.errors.PartialUpdateError, match="cannot be undone"):
+        with autofit.stepper(model, HalfWay(model.parameters()), precision="fp32", ladder=halve,
+                             cache=False) as step:
+            step(cls_batches(1, rows=8)[0])
+    assert step.attempts == []  # not taken for an OOM: no step-down, no replay

@@ -64,9 +64,11 @@ def cmd_probe(args) -> int:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
             candidates = capacity.rank(model, batch, budget, precision=args.precision, margin=MARGIN,
                                        device_type="cuda")
-    except Exception as e:  # the model cannot take its batch (or the estimator cannot follow it)
-        raise UsageError(f"estimating a training step of {spec} on its sample batch "
-                         f"({models.describe(model, batch)}) failed: {one_line(e)}") from e
+    except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
+        reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
+                  f"({models.describe(model, batch)}) failed: {one_line(e)}")
+        return _cannot_estimate(args, {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
+                                       "table": [], "breakdown": None, "reason": reason})
     chosen = capacity.choose(candidates)
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak_bytes,
                                                   default=None)
@@ -82,6 +84,14 @@ def cmd_probe(args) -> int:
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+def _cannot_estimate(args, result: dict) -> int:
+    """No prediction: the reason on stderr (and the header as JSON); exit 1, as for no fit."""
+    if args.json:
+        out(json.dumps(result, indent=2))
+    print(f"autofit: {result['reason']}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
 
 
 def _probe_report(args, result: dict, shown) -> int:

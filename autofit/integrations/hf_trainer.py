@@ -26,7 +26,7 @@ from ..capacity import needs_message, plan_cost, rank
 from ..errors import DoesNotFit
 from ..ladder import Move
 from ..plan import Plan
-from ..start import MARGIN
+from ..start import MARGIN, cannot_estimate
 from ..step import NoLossError
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
@@ -148,17 +148,21 @@ def raw_optimizer(optimizer):
 
 def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
     """(plan, predicted peak, plans estimated): the fastest plan predicted to fit within MARGIN of
-    `budget` after rounding each fitting plan's micro-batch down to a divisor of `rows`."""
+    `budget` after rounding each fitting plan's micro-batch down to a divisor of `rows`; None when
+    the estimator cannot follow the model (said once in the log)."""
     batch = sample_batch(trainer, rows)
     try:
         candidates = rank(trainer.model, batch, budget, precision=policy, optimizer=_optimizer(trainer),
                           loss_fn=_loss_fn(trainer), margin=MARGIN,
                           device_type="cuda" if device.type == "cuda" else "cpu",
                           bf16_supported=device.supports_bf16(), allow_offload=False)
-    except (NoLossError, ValueError) as error:
+    except Exception as error:
         if isinstance(error, NoLossError) or "did not return a loss" in str(error):
             raise _no_loss(trainer, batch) from error
-        raise
+        # The check is optional: an estimator failure never stops training.
+        cannot_estimate(trainer.model, error, "the TrainingArguments' batch kept; the ladder steps "
+                                              "down on an out-of-memory error")
+        return None
     best = None
     for c in candidates:
         if c.fits:  # round down to a divisor: the same configuration with fewer rows fits too

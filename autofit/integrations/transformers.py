@@ -185,12 +185,14 @@ def _fit(trainer, device, precision: str) -> TrainerPlan:
     keep_checkpointing = hf.checkpointing_on(trainer)
     notes = tuple(n for n in [hf.fix_loss_scaling(trainer, device)] if n)
     peak = None
-    if budget is None:
+    estimated = None if budget is None else hf.estimate_plan(trainer, device, budget, rows, policy)
+    if estimated is None:
         plan = Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                     precision="fp32" if policy == "auto" else policy, checkpointing=keep_checkpointing)
-        reason = f"no budget on {device.describe()}: the TrainingArguments' batch kept"
+        reason = (f"no budget on {device.describe()}: the TrainingArguments' batch kept" if budget is None
+                  else "the estimator cannot follow the model: the TrainingArguments' batch kept")
     else:
-        plan, peak, count = hf.estimate_plan(trainer, device, budget, rows, policy)
+        plan, peak, count = estimated
         if keep_checkpointing and not plan.checkpointing:
             plan = plan.replace(checkpointing=True)  # the user's; it only lowers the peak
         reason = (f"estimated: fastest plan predicted to fit, micro-batch dividing {rows} rows (peak "

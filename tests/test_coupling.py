@@ -1,0 +1,181 @@
+"""Batch-coupled layers are never silent (autofit/coupling.py)."""
+
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import autofit
+from autofit.coupling import Coupling, coupled_modules
+from autofit.ladder import SizeLog
+from autofit.plan import Plan
+
+
+def cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.ReLU()),
+        nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(4 * 6 * 6, 3)))
+
+
+def images(n=3, rows=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 3, 6, 6, generator=g), "y": torch.randint(0, 3, (rows,), generator=g)}
+            for _ in range(n)]
+
+
+def loss_fn(model, batch):
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def fits_rows(model, limit):
+    """Every training forward of more than `limit` rows runs out of memory, before anything runs."""
+    def hook(module, args):
+        if module.training and args[0].shape[0] > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 MiB ({args[0].shape[0]} rows)")
+    return model.register_forward_pre_hook(hook)
+
+
+def plain_loop(model, batches, micro_sizes):
+    torch.manual_seed(1234)
+    opt = sgd(model.parameters())
+    model.train()
+    for batch, micro in zip(batches, micro_sizes):
+        n = len(batch["y"])
+        for i in range(0, n, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            (loss_fn(model, part) * (len(part["y"]) / n)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert different == []
+
+
+def attempts(result):
+    return [(a.step, a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer, a.outcome)
+            for a in result.attempts]
+
+
+def test_a_split_cnn_with_batchnorm_equals_the_plain_loop_with_its_final_splits(caplog):
+    batches = images()
+    model = cnn()
+    fits_rows(model, 8)
+    torch.manual_seed(1234)
+    with caplog.at_level(logging.INFO, logger="autofit"):
+        result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False)
+    # Whole-batch moves first (checkpointing, offload), then the split.
+    assert attempts(result)[:4] == [(0, 16, False, False, "oom"), (0, 16, True, False, "oom"),
+                                    (0, 16, True, True, "oom"), (0, 8, True, True, "ok")]
+    finals = [h["plan"].micro_batch_size for h in result.history]
+    assert finals[0] == 8 and all(h["plan"].checkpointing for h in result.history)
+    # Parameters and buffers (running statistics, num_batches_tracked) as a plain loop without
+    # checkpointing computes them: the recompute in backward did not update them a second time.
+    assert_same_state(model, plain_loop(cnn(), batches, finals))
+    warned = [r for r in caplog.records if "batch-coupled" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in warned] == [(
+        "WARNING", "Sequential has batch-coupled layers (0.1, 1.1): splitting a global batch into micro-batches "
+        "changes what they compute (statistics over each micro-batch). autofit keeps the batch whole first "
+        "(precision as allowed, checkpointing, offload) and splits only when nothing whole fits; "
+        "allow_split=False forbids splitting.")]
+    assert result.batch_coupled == ["0.1", "1.1"]
+    assert "batch-coupled layers (0.1, 1.1): global batches were split into micro-batches of 8 rows" in \
+        autofit.explain(result)
+    assert not any(vars(m).get("_forward_pre_hooks") for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+def test_forbidding_splits_keeps_batches_whole_or_says_why_not():
+    batches = images(n=2)
+    model = cnn()
+    handle = fits_rows(model, 8)
+    with pytest.raises(autofit.DoesNotFit, match=re.escape(
+            "splitting the global batch is forbidden (allow_split=False) and no whole-batch plan fits")) as error:
+        autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False,
+                    allow_split=False)
+    assert [(a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer) for a in error.value.attempts] \
+        == [(16, False, False), (16, True, False), (16, True, True)]
+    handle.remove()
+    fits_rows(model, 16)
+    result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False,
+                         allow_split=False, ladder=lambda p: p.with_micro_batch(4, p.global_batch))
+    assert [h["plan"].micro_batch_size for h in result.history] == [16, 16]
+    with pytest.raises(TypeError, match=re.escape("allow_split must be True or False but got 'no'.")):
+        autofit.run(model, batches, loss_fn=loss_fn, allow_split="no")
+
+
+def walk(ladder, plan):
+    seen = [plan]
+    while (plan := ladder(plan)) is not None:
+        seen.append(plan)
+    return [(p.micro_batch_size, p.precision, p.checkpointing, p.offload_optimizer) for p in seen]
+
+
+def test_the_whole_batch_first_ladder_is_an_exact_sequence():
+    coupling = Coupling(cnn())
+    assert walk(coupling.ladder(SizeLog(), "auto", True), Plan.for_batch(16)) == [
+        (16, "fp32", False, False), (16, "bf16", False, False), (16, "bf16", True, False), (16, "bf16", True, True),
+        (8, "bf16", True, True), (4, "bf16", True, True), (2, "bf16", True, True), (1, "bf16", True, True)]
+    assert walk(Coupling(cnn(), allow_split=False).ladder(SizeLog(), "fp32", True), Plan.for_batch(16)) == [
+        (16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", True, True)]
+    plain = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # nothing coupled: the default ladder splits first
+    assert walk(Coupling(plain).ladder(SizeLog(), "fp32", True), Plan.for_batch(16))[1] == (8, "fp32", False, False)
+
+
+class Declared(nn.Module):
+    batch_coupled = True  # e.g. an in-batch contrastive loss head
+
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+def test_detection_covers_every_batchnorm_and_declared_modules():
+    frozen = nn.BatchNorm1d(3)
+    frozen.batch_coupled = False
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.SyncBatchNorm(3), nn.LazyBatchNorm1d(), nn.BatchNorm3d(3),
+                          Declared(), frozen, nn.LayerNorm(3), nn.GroupNorm(1, 3), nn.InstanceNorm1d(3))
+    assert [name for name, _ in coupled_modules(model)] == ["0", "1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recompute_in_backward_leaves_running_statistics_alone(reentrant):
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Tracking())
+    x = torch.randn(8, 4)
+    plain = make()
+    plain(x).sum().backward()
+    model = make()
+    coupling = Coupling(model)
+    coupling.guard()
+    checkpoint(model, x.requires_grad_(), use_reentrant=reentrant).sum().backward()
+    assert_same_state(model, plain)
+    assert int(model[1].num_batches_tracked) == 1 and int(model[2].calls) == 1
+    coupling.close()
+    checkpoint(model, x, use_reentrant=reentrant).sum().backward()  # unguarded: counted twice
+    assert int(model[1].num_batches_tracked) == 3
+
+
+class Tracking(nn.Module):
+    """A declared module with its own buffer written in forward."""
+    batch_coupled = True
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return x

@@ -1,0 +1,158 @@
+"""Token-level losses are exact however the loss is given (autofit/token_loss.py)."""
+
+import logging
+
+import pytest
+import torch
+
+import autofit
+from autofit.device import CpuDevice
+from autofit.token_loss import forward_takes_items, loss_fn_takes_items, loss_weighting, unwrap
+from reference import gpt2, lm_batches, max_diff, plain_loop
+from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
+
+THREE = lambda p: p.replace(micro_batch_size=3) if p.micro_batch_size > 3 else None  # noqa: E731
+
+
+def with_ids(batches):
+    return [dict(b, ids=[f"step{s}-row{r}" for r in range(len(b["input_ids"]))]) for s, b in enumerate(batches)]
+
+
+def sgd(params):
+    # Not AdamW: its normalised first steps turn float rounding in near-zero gradients into ~1e-6
+    # differences of the weights, which would hide the weighting this file checks.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def run_split(model, batches, loss_fn):
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)  # the first attempt runs out of memory: 8 rows go as 3+3+2
+        return autofit.run(model, batches, loss_fn=loss_fn, precision="fp32", progress=False, ladder=THREE,
+                           optimizer=sgd)
+
+
+def full_batch_loop(batches):
+    model = gpt2()
+    return plain_loop(model, batches, [8] * len(batches), tokens=True, optimizer=sgd(model.parameters()))
+
+
+def test_gpt2_padded_labels_through_loss_fn_equal_the_full_batch_loop():
+    batches = with_ids(lm_batches(3, rows=8))
+    seen = []
+
+    def loss_fn(model, batch, num_items_in_batch):
+        seen.append((batch["ids"], num_items_in_batch))
+        tensors = {k: v for k, v in batch.items() if k != "ids"}
+        return model(**tensors, num_items_in_batch=num_items_in_batch).loss
+
+    model = gpt2()
+    result = run_split(model, batches, loss_fn)
+    assert [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts][:2] == [(0, 8, "oom"), (0, 3, "ok")]
+    shifted = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    ids, m = batches[1]["ids"], result.history[1]["plan"].micro_batch_size
+    assert m < 8  # split, with per-row strings split alongside
+    assert [s for s in seen if s[0][0].startswith("step1")] == [(ids[i:i + m], shifted[1]) for i in range(0, 8, m)]
+    assert max_diff(model, full_batch_loop(lm_batches(3, rows=8))) <= 1e-6
+
+
+def test_gpt2_own_loss_gets_the_global_count_and_equals_the_full_batch_loop():
+    batches = lm_batches(3, rows=8)
+    model = gpt2()
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs.get("num_items_in_batch")),
+                                    with_kwargs=True)
+    result = run_split(model, batches, None)
+    parts = [-(-8 // h["plan"].micro_batch_size) for h in result.history]
+    assert parts[0] == 3
+    shifted = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    assert calls[-(parts[1] + parts[2]):] == [shifted[1]] * parts[1] + [shifted[2]] * parts[2]
+    assert max_diff(model, full_batch_loop(batches)) <= 1e-6
+    assert abs(result.history[0]["loss"] - full_loss(batches[0])) <= 1e-6
+
+
+def full_loss(batch):
+    with torch.no_grad():
+        return gpt2()(**batch).loss.item()
+
+
+def test_a_loss_fn_without_the_keyword_is_weighted_by_rows_and_says_so_once(caplog):
+    batches = lm_batches(2, rows=8)
+    with caplog.at_level(logging.INFO, logger="autofit"):
+        run_split(gpt2(), batches, lambda m, b: m(**b).loss)
+    said = [r.getMessage() for r in caplog.records if "weighted by rows" in r.getMessage()]
+    assert said == ["loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; for a "
+                    "mean over label tokens, give loss_fn a num_items_in_batch parameter and divide the summed "
+                    "loss by it (autofit passes the global batch's label-token count)"]
+
+
+def test_bert_classification_head_is_found_to_ignore_num_items_in_batch(caplog):
+    model = tiny_bert()
+    assert forward_takes_items(model)  # its forward takes **kwargs ...
+    with caplog.at_level(logging.INFO, logger="autofit"):
+        weighting = loss_weighting(model, bert_batch(rows=4, seq=8), None, CpuDevice())
+    assert (weighting.count, weighting.pass_items) == (None, False)  # ... but its loss drops it: rows
+    assert [r.getMessage() for r in caplog.records] == [
+        "BertForSequenceClassification's loss ignores num_items_in_batch although its forward takes it; "
+        "micro-batches are weighted by rows"]
+    assert model.training  # the probe gives the model back in training mode
+
+
+def test_the_probe_counts_as_the_model_does_and_leaves_the_rng_alone():
+    batch = gpt2_batch(rows=4, seq=8)
+    batch["labels"] = batch["input_ids"].clone()
+    batch["labels"][:, -2:] = -100
+    model = tiny_gpt2()
+    state = torch.get_rng_state()
+    weighting = loss_weighting(model, batch, None, CpuDevice())
+    assert torch.equal(torch.get_rng_state(), state)
+    assert weighting.pass_items and weighting.count(batch) == 4 * 5  # 7 shifted labels, 2 padded
+    assert weighting.items(batch) == {"num_items_in_batch": 20}
+    assert weighting.shares(batch, [batch, batch]) == [1.0, 1.0]
+
+
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Compiled(torch.nn.Module):
+    """Set up as torch.compile's OptimizedModule is: the real module in `_orig_mod`, (*args, **kwargs)."""
+    def __init__(self, inner):
+        super().__init__()
+        self._orig_mod = inner
+
+    def forward(self, *args, **kwargs):
+        return self._orig_mod(*args, **kwargs)
+
+
+def test_wrappers_are_unwrapped_before_reading_the_signature():
+    plain = Plain()
+    assert unwrap(Compiled(plain)) is plain and not forward_takes_items(Compiled(plain))
+    ddp_like = torch.nn.DataParallel(Compiled(plain))
+    assert unwrap(ddp_like) is plain
+    assert loss_fn_takes_items(lambda m, b, num_items_in_batch: 0)
+    assert not loss_fn_takes_items(lambda m, b, **kw: 0)
+
+
+def test_a_compiled_gpt2_counts_shifted_labels():
+    # Wrapped as torch.compile wraps (a real torch.compile spends a minute tracing GPT-2 on this CPU):
+    # the wrapper's forward takes (*args, **kwargs) and its class name says nothing.
+    batch = gpt2_batch(rows=4, seq=8)
+    batch["labels"] = batch["input_ids"].clone()
+    compiled = Compiled(tiny_gpt2())
+    assert type(unwrap(compiled)).__name__ == "GPT2LMHeadModel"
+    weighting = loss_weighting(compiled, batch, None, CpuDevice())
+    assert weighting.pass_items and weighting.count(batch) == 4 * 7
+
+
+def test_a_loss_fn_over_a_plain_model_counts_labels_or_rows():
+    tokens = {"x": torch.zeros(4, 3), "labels": torch.tensor([[1, -100], [1, 1], [-100, -100], [0, 1]])}
+    weighting = loss_weighting(Plain(), tokens, lambda m, b, num_items_in_batch: 0, CpuDevice())
+    assert weighting.items(tokens) == {"num_items_in_batch": 5}
+    rows = {"x": torch.zeros(4, 3)}
+    weighting = loss_weighting(Plain(), rows, lambda m, b, num_items_in_batch: 0, CpuDevice())
+    assert weighting.items(rows) == {"num_items_in_batch": 4}
