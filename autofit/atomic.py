@@ -72,6 +72,7 @@ class AtomicStep:
         self.need: dict = {}  # plan config -> bytes the step needed above what was allocated before it
         self.snapshots = 0    # how many steps were guarded (for reports and tests)
         self.outer_peak = 0   # the device peak just before the last step (its counter is reset)
+        self.failed_at = None  # bytes allocated when the last step ran out of memory
 
     def at_risk(self, key) -> bool:
         if self.device.fault_armed:
@@ -97,6 +98,7 @@ class AtomicStep:
             if not is_oom(error):
                 raise
             failure = summarize(error)
+            self.failed_at = self.device.memory_allocated()
         step_peak = self.device.max_memory_allocated()
         if failure is None:
             self.need[key] = max(step_peak - before, 0)

@@ -174,8 +174,11 @@ def token_counter(model) -> "callable | None":
     """For token-level losses: a function counting the label tokens a batch contributes.
 
     Causal language models shift labels by one inside their loss, so their first label never counts.
+    Training decides by probing the model (`token_loss.loss_weighting`); this name-based counter
+    serves evaluation and throughput, on the module inside torch.compile/DDP wrappers.
     """
-    shifted = _is_causal_lm(model)
+    from .token_loss import unwrap  # token_loss builds on this module
+    shifted = _is_causal_lm(unwrap(model))
 
     def count(batch):
         labels = labels_of(batch)

@@ -148,8 +148,8 @@ class PlanCache:
                 uri = self.path.absolute().as_uri() + "?mode=rwc"
             elif not self.path.exists():
                 return None
-            else:
-                uri = self.path.absolute().as_uri() + "?mode=rw"  # never creates the file
+            else:  # never creates the file; read-only after a write-protected file refused rw
+                uri = self.path.absolute().as_uri() + getattr(self, "_read_mode", "?mode=rw")
             identity = self._identity()
             try:
                 conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -267,7 +267,23 @@ class PlanCache:
         return True
 
     def _run(self, create: bool, action, default):
-        """`action(conn)` on a usable cache; `default` when there is none or it turns out corrupt."""
+        """`action(conn)` on a usable cache; `default` when there is none or it turns out corrupt.
+        A read that a write-protected file (or folder) refuses is retried read-only: such a cache
+        is still read, it only cannot learn."""
+        if create:
+            return self._run_once(create, action, default)
+        modes = ("?mode=rw", "?mode=ro", "?mode=ro&immutable=1")
+        for mode in modes[modes.index(getattr(self, "_read_mode", modes[0])):]:
+            self._read_mode = mode
+            try:
+                return self._run_once(create, action, default)
+            except sqlite3.OperationalError as e:
+                if mode == modes[-1] or ("readonly" not in str(e) and "unable to open" not in str(e)):
+                    raise
+                logger.debug("plan cache %s: %s; reading it read-only", self.path, e)
+        return default
+
+    def _run_once(self, create: bool, action, default):
         conn = self._connect(create)
         if conn is None:
             return default

@@ -271,8 +271,10 @@ def choose(candidates) -> Candidate | None:
     return min(fitting, key=lambda c: c.cost) if fitting else None
 
 
-def needs_message(candidates, budget, *, margin: float = 0.9, calibration: float = 1.0) -> str:
-    """Why no candidate fits `budget`, in the field's words, and what to do; or which one fits."""
+def needs_message(candidates, budget, *, margin: float = 0.9, calibration: float = 1.0,
+                  no_offload: str | None = None) -> str:
+    """Why no candidate fits `budget`, in the field's words, and what to do; or which one fits.
+    `no_offload`: why this caller cannot offload the optimizer (its advice then leaves it out)."""
     budget = parse_size(budget)
     candidates = list(candidates)
     usable = budget * margin / calibration
@@ -293,19 +295,22 @@ def needs_message(candidates, budget, *, margin: float = 0.9, calibration: float
     everything = weights + resident["optimizer"]
     offloaded = [c for c in candidates if c.plan.offload_optimizer]
     if weights > usable:
-        return (f"parameters and gradients alone need {format_size(weights)} {of_budget}, even with "
-                f"the {state} ({format_size(resident['optimizer'])}) offloaded: use a smaller model, "
-                f"freeze part of it, or a GPU with more memory.")
+        without = "" if no_offload else \
+            f", even with the {state} ({format_size(resident['optimizer'])}) offloaded"
+        return (f"parameters and gradients alone need {format_size(weights)} {of_budget}{without}: use a "
+                f"smaller model, freeze part of it, or a GPU with more memory.")
     if everything > usable and not offloaded:
+        advice = "offload the optimizer or use a smaller model" if not no_offload else \
+            f"use a smaller model or an optimizer with less state ({no_offload})"
         return (f"parameters, gradients and {state} alone need {format_size(everything)} {of_budget}: "
-                f"offload the optimizer or use a smaller model.")
+                f"{advice}.")
     tried = min(offloaded or candidates, key=lambda c: c.estimate.peak_bytes)
     acts = tried.estimate.breakdown["activations"]
     held = "parameters and gradients" if tried.plan.offload_optimizer else \
         f"parameters, gradients and {state}"
     held_bytes = weights if tried.plan.offload_optimizer else everything
     advice = "shorten the sequences or use a smaller model"
-    if not tried.plan.offload_optimizer:
+    if not tried.plan.offload_optimizer and not no_offload:
         advice += ", or offload the optimizer"
     return (f"the smallest plan tried ({tried.plan.describe()}) needs "
             f"{format_size(tried.estimate.peak_bytes)} {of_budget}: {held} take "

@@ -82,7 +82,15 @@ class Checkpointing:
             raise ValueError(f"{type(self.model).__name__} has no repeated blocks to checkpoint "
                              f"(no ModuleList/Sequential); leave checkpointing off in the ladder.")
         if self.hf:
+            # transformers' enable also hooks the input embeddings (inputs require grad) and its
+            # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
+            before = {id(h) for h in getattr(self.model, "_require_grads_hooks", None) or []}
             _hf_switch(self.model, on)
+            if on:
+                self._own_hooks = [h for h in getattr(self.model, "_require_grads_hooks", None) or []
+                                   if id(h) not in before]
+            else:
+                self._remove_own_hooks()
         else:
             for block in self.blocks:
                 if on:
@@ -96,6 +104,17 @@ class Checkpointing:
                     else:
                         block.forward = previous
         self.on = on
+
+    def _remove_own_hooks(self) -> None:
+        own = getattr(self, "_own_hooks", [])
+        for hook in own:
+            hook.remove()
+        hooks = getattr(self.model, "_require_grads_hooks", None)
+        if own and hooks is not None:
+            self.model._require_grads_hooks = [h for h in hooks if h not in own]
+            if getattr(self.model, "_require_grads_hook", None) in own:
+                del self.model._require_grads_hook
+        self._own_hooks = []
 
     def restore(self) -> None:
         self.set(self.initial)

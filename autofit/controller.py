@@ -17,10 +17,11 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
 from .batches import batch_size, row_elements
-from .device import describe_tensors
+from .device import _tensors, describe_tensors
 from .errors import DoesNotFit, MemoryNotReleased
-from .ladder import SizeLog
-from .memory import by_kind
+from .ladder import SizeLog, step_down
+from .leaks import on_device_predicate
+from .memory import by_kind, storage_bytes
 from .oom import is_oom, release, summarize
 from .plan import Plan
 from .sizes import format_size
@@ -28,6 +29,10 @@ from .sizes import format_size
 log = logging.getLogger("autofit")
 
 CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
+# A failure this run recorded is forgotten after this many good global steps (then twice as many
+# each time it comes back), so one bad moment (fragmentation, another process) is not a verdict
+# for the rest of the run: the micro-batch search probes above it again. See README, "The ladder".
+EXPIRE_AFTER = 100
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,9 @@ class Attempt:
     peak_bytes: int
     step: int = 0           # the global step (0-based) the attempt belonged to
     error: str = ""         # the OOM message, for outcome "oom"
-    where: str = ""         # "forward/backward" or "optimizer.step", for outcome "oom"
-    memory: dict = field(default_factory=dict)  # bytes by kind at the failure
+    where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
+    memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
+                                                # optimizer step's own temporaries, for its phases)
 
     def describe(self) -> str:
         text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
@@ -70,7 +76,7 @@ class Controller:
     def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int = 64,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False):
+                 quiet: bool = False, expire_after: int | None = None):
         self.runner, self.ladder = runner, ladder
         self.device, self.model = runner.device, runner.model
         self.sizes = sizes if sizes is not None else SizeLog()
@@ -79,6 +85,15 @@ class Controller:
         self.on_attempt = on_attempt
         self.quiet = quiet  # progress=False: no step-down logging either
         self.attempts: list[Attempt] = []
+        # What this run proved (sizes that trained a global batch): a failure of one of them is
+        # retried once before it counts, since it fitted rows this long before.
+        self.proven = SizeLog()
+        self._retried: set = set()        # (step, plan) already given their one retry
+        self._failed: list = []           # (plan, length) failures this run recorded, until they expire
+        self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
+        self._good_steps = 0              # good global steps since the last recorded failure
+        self._good_total = 0              # good global steps of this run
+        self._said: set = set()           # reasons for skipping a move, each said once
         self.next_plan: Plan | None = None
         self._next_reason = ""
         self._retrying = Retrying(
@@ -137,42 +152,94 @@ class Controller:
     def _attempt(self, batch, step: int, global_batch: int) -> _Outcome:
         plan, reason = self.plan, self.reason
         baseline = self.device.memory_allocated()
+        owned = self._owned() if self.device.counts else 0
         failure = None
         try:
             loss = self.runner.run(batch, plan)
         except Exception as error:
             if not is_oom(error):
                 raise
-            where = "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward"
+            where = getattr(self.runner, "phase", "") or (
+                "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward")
             memory = by_kind(self.device, self.model, self.runner.optimizer)
             # Held before the attempt but neither weights nor this optimizer's state: a previous
             # phase's optimizer, batches parked on the device, tensors kept across steps.
-            memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"], 0),
+            # The global batch autofit read onto the device is not the user's to free.
+            batch_bytes = storage_bytes(_tensors(batch), on_device=on_device_predicate(self.device))
+            memory["other"] = min(max(baseline - memory["params"] - memory["optimizer"] - batch_bytes, 0),
                                   memory["activations"])
             memory["activations"] -= memory["other"]
+            if batch_bytes:
+                memory["batch"] = min(batch_bytes, memory["activations"])
+                memory["activations"] -= memory["batch"]
+            at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
+            if where.startswith("optimizer") and at_failure is not None:
+                # The step's temporaries (and state it made) are gone by now: what it held when it
+                # failed is the memory at the failure less what is still here.
+                memory["step"] = max(at_failure - sum(memory.values()), 0)
             failure = (summarize(error), where, memory)
         peak = self.runner.attempt_peak()
         if failure is None:
             self._record(Attempt(plan, "ok", reason, peak, step))
             self.sizes.record(plan, True, global_batch)
+            if self._good_total:  # the run's first step made the optimizer state: it proves less
+                self.proven.record(plan, True, global_batch, length=self.sizes.length)
+            self._good_total += 1
             self.reason = "kept: fitted the previous global batch"
+            self._expire()
             return _Outcome(True, loss)
         # Out of the except block: the failed attempt's frames are gone; free what they held.
         text, where, memory = failure
         self.runner.abandon()
         release(self.device, model=self.model, optimizer=self.runner.optimizer)
-        self._check_baseline(baseline)
+        self._check_baseline(baseline, owned)
         self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
+        if self._retry_once(plan, step, global_batch, text):
+            return _Outcome(False)
         self.sizes.record(plan, False, global_batch)
-        self._step_down(plan, global_batch, text)
+        self._failed.append((plan.with_micro_batch(plan.micro_batch_size, global_batch), self.sizes.length))
+        self._good_steps = 0
+        self._step_down(plan, global_batch, text, where)
         return _Outcome(False)
 
-    def _step_down(self, plan: Plan, global_batch: int, text: str) -> None:
+    def _retry_once(self, plan: Plan, step: int, global_batch: int, text: str) -> bool:
+        """A size this run proved at this row length (on a step after the first, with the optimizer
+        state in place) that fails now may have met a transient shortage: replay the same plan
+        once, after release, before the failure counts."""
+        proven = self.proven.fit(plan, self.sizes.length)
+        if proven is None or proven < min(plan.micro_batch_size, global_batch) \
+                or (step, plan) in self._retried:
+            return False
+        self._retried.add((step, plan))
+        self._fallback = None
+        self.next_plan = plan
+        self.reason = ("retry: this micro-batch trained rows this long before, so the failure may be "
+                       "transient; retried once after release before it counts")
+        if not self.quiet:
+            log.warning("out of memory under %s (%s), which fitted rows this long before; retrying it "
+                        "once after release", plan.describe(), text)
+        return True
+
+    def _expire(self) -> None:
+        """After `expire_after` good global steps, forget the failures this run recorded (and wait
+        twice as long next time), so the search probes above them again."""
+        self._good_steps += 1
+        if not self._failed or self._good_steps < self.expire_after:
+            return
+        for plan, length in self._failed:
+            self.sizes.forget_fail(plan, length)
+        if not self.quiet:
+            log.info("%d out-of-memory failure(s) expired after %d good steps; probing above them again",
+                     len(self._failed), self._good_steps)
+        self._failed, self._good_steps = [], 0
+        self.expire_after *= 2
+
+    def _step_down(self, plan: Plan, global_batch: int, text: str, where: str = "") -> None:
         fallback, self._fallback = self._fallback, None
         if fallback is not None and not self.sizes.known_to_fail(fallback):
             new, why = fallback, "back to the largest micro-batch known to fit"
         else:
-            new, why = self._next_down(plan, global_batch)
+            new, why = self._next_down(plan, global_batch, where)
         self.next_plan = new
         if new is None:
             if not self.quiet:
@@ -184,13 +251,22 @@ class Controller:
                         plan.describe(), text, new.describe(), why)
         self.plan, self.reason = new, why
 
-    def _next_down(self, plan: Plan, global_batch: int):
+    def _next_down(self, plan: Plan, global_batch: int, where: str = ""):
+        """The next plan down: the moves for the phase that failed first (where the runner's phases
+        are the same on every rank), skipping moves that do not apply to this job."""
         current, seen = plan, {plan}
+        phase = where if getattr(self.runner, "phase_steers_ladder", False) else ""
+        applies = getattr(self.runner, "not_applicable", None)
         while True:
-            taken = self.ladder.take(current)
-            if taken is None:
+            new, why, skipped = step_down(self.ladder, current, phase, applies)
+            for move, reason in skipped:
+                if reason not in self._said:
+                    self._said.add(reason)
+                    why = f"{why} ({move!r} skipped: {reason})" if new is not None else why
+                    if not self.quiet:
+                        log.warning("%s; the ladder goes on without it", reason)
+            if new is None:
                 return None, ""
-            new, why = taken
             new = new.with_micro_batch(new.micro_batch_size, global_batch)
             if new in seen:
                 return None, ""  # a move that goes round in circles has no step left
@@ -206,9 +282,18 @@ class Controller:
         fit = self.plan.micro_batch_size
         return ceiling is None or (ceiling - 1 - fit) > fit * self.settle_within
 
-    def _check_baseline(self, baseline: int) -> None:
+    def _owned(self) -> int:
+        """Device bytes of the model's parameters and buffers and of the optimizer's state."""
+        held = by_kind(self.device, self.model, self.runner.optimizer)
+        return held["params"] + held["optimizer"]
+
+    def _check_baseline(self, baseline: int, owned: int = 0) -> None:
         slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
         extra = self.device.memory_allocated() - baseline
+        if extra > slack and self.device.counts:
+            # Buffers and parameters the model made during the attempt (a lazily registered
+            # buffer, a LazyLinear) belong to the model, not to the failed attempt.
+            extra -= max(self._owned() - owned, 0)
         if extra <= slack:
             return
         known = {id(t.untyped_storage()) for t in self.model.parameters()}

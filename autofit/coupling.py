@@ -22,7 +22,8 @@ import logging
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .ladder import Either, Move, ShrinkMicroBatch, checkpointing, default_ladder, mixed_precision, offload_optimizer
+from .ladder import (Either, Move, ShrinkMicroBatch, checkpointing, default_ladder, mixed_precision,
+                     offload_optimizer, phased)
 
 log = logging.getLogger("autofit")
 
@@ -49,7 +50,7 @@ def whole_first_ladder(sizes, precision: str = "auto", bf16_supported: bool = Tr
     steps += [checkpointing(), offload_optimizer()]
     if allow_split:
         steps.append(ShrinkMicroBatch(sizes, floor=1))
-    return Either(*steps)
+    return phased(Either(*steps))  # the phase's moves keep the batch whole too
 
 
 class _KeepWhole(Move):

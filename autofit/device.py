@@ -64,6 +64,13 @@ class Device:
     def max_memory_allocated(self) -> int:
         return 0
 
+    def memory_reserved(self) -> int:
+        """Bytes the caching allocator holds (allocated + cached free blocks); 0 where none runs."""
+        return 0
+
+    def max_memory_reserved(self) -> int:
+        return 0
+
     def reset_peak_memory_stats(self) -> None:
         pass
 
@@ -122,8 +129,17 @@ class SimulatedDevice(Device):
     def max_memory_allocated(self):
         return self.gpu.max_memory_allocated()
 
+    def memory_reserved(self):
+        return self.gpu.memory_reserved()
+
+    def max_memory_reserved(self):
+        return self.gpu.max_memory_reserved()
+
     def reset_peak_memory_stats(self):
         self.gpu.reset_peak_memory_stats()
+
+    def empty_cache(self):
+        self.gpu.empty_cache()
 
     def free_bytes(self):
         return self.gpu.free_bytes()
@@ -176,6 +192,12 @@ class CudaDevice(Device):
 
     def max_memory_allocated(self):
         return torch.cuda.max_memory_allocated(self.index)
+
+    def memory_reserved(self):
+        return torch.cuda.memory_reserved(self.index)
+
+    def max_memory_reserved(self):
+        return torch.cuda.max_memory_reserved(self.index)
 
     def reset_peak_memory_stats(self):
         torch.cuda.reset_peak_memory_stats(self.index)

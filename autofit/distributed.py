@@ -644,6 +644,8 @@ class _RowShare:
 class DistributedStepRunner(StepRunner):
     """A StepRunner whose global step is agreed between the ranks (see the module's docstring)."""
 
+    phase_steers_ladder = False  # ranks fail in different phases; all must step down alike
+
     def __init__(self, model, optimizer, device, *, lockstep: Lockstep, **kwargs):
         super().__init__(model, optimizer, device, **kwargs)
         self.lockstep = lockstep

@@ -19,8 +19,9 @@ gradients (and a carried total), which gives the peak of all of them at the cost
 `device_type="cuda"` predicts a CUDA card rather than this CPU: `scaled_dot_product_attention` is
 routed to the kernels CUDA runs (flash attention for fp16/bf16 without a mask, else memory-efficient
 attention: O(T) memory, where CPU's math path — taken with attention dropout, as in training —
-keeps the T x T attention matrix), and the optimizer uses the multi-tensor (`foreach`)
-implementation CUDA picks by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
+keeps the T x T attention matrix), autocast follows CUDA's op lists and dropout saves a bool mask
+(`cuda_numerics.py`), and the optimizer uses the multi-tensor (`foreach`) implementation CUDA picks
+by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
 checked against the simulated GPU running the same step on real CPU tensors. In both, AdamW's scalar
 `step` counters are host memory (CUDA keeps them on the CPU unless capturable or fused).
 
@@ -35,7 +36,6 @@ a fake kernel stricter than the real one), `Estimator` measures it on real rows 
 
 Known differences from a card, all small or covered by `rank`'s margin and calibration:
 - the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
-- autocast follows CPU's op lists (close to CUDA's for both dtypes);
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
@@ -45,6 +45,7 @@ Known differences from a card, all small or covered by `rank`'s margin and calib
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .batches import batch_size, slice_batch
-from .cuda_attention import attention_as_on_cuda
+from .cuda_numerics import numerics_as_on_cuda
 from .data_dependent import Hints, silenced_torch_logs, upper_bound
 from .device import SimulatedDevice, _map_tensors
 from .fakes import check_optimizer, fake_like, fake_model, fake_optimizer, on_device_state, warm
@@ -285,11 +286,14 @@ class Estimator:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         if self._sampled is None:
+            cached = len(FakeTensorMode.cache)
             try:
                 with self._quiet():
                     estimate = self._measure(plan)
             except Exception as error:
                 self._sample(error)
+            finally:
+                _forget_cached_dispatch(cached)
         if self._sampled is not None:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
@@ -315,7 +319,7 @@ class Estimator:
                  for p in _unique(self.model.parameters()) if p.requires_grad]
         hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
         hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
-        attention = (attention_as_on_cuda(self.mode) if self.device_type == "cuda"
+        attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
             with self.mode, attention, _CountingMode(meter):
@@ -350,6 +354,15 @@ class Estimator:
                               device_type=self.device_type, resident=dict(self.resident),
                               step_bytes=step,
                               optimizer=self.optimizer_name)
+
+
+def _forget_cached_dispatch(keep: int) -> None:
+    """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
+    trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
+    one estimator measuring many plans would otherwise grow host memory with every plan."""
+    cache = FakeTensorMode.cache
+    for key in list(itertools.islice(cache, keep, None)):
+        cache.pop(key, None)
 
 
 def _unique(tensors):

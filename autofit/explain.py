@@ -32,7 +32,7 @@ OFFLOAD_SHARE = 0.25     # optimizer state at least this share: offload helps
 
 class Fix(NamedTuple):
     key: str     # stable name: lighter-model, free-previous-optimizer, held-tensors, accumulation,
-                 # amp, checkpointing, offload
+                 # amp, checkpointing, offload, per-parameter-step
     title: str   # the fix in the words of the field, e.g. "gradient accumulation"
     detail: str  # why the numbers point to it, and how
 
@@ -59,12 +59,16 @@ def _optimizer_leftover(params: int, optimizer: int, other: int) -> str | None:
     return None
 
 
-def fixes_for(memory: dict, plan, budget: int | None = None) -> list[Fix]:
-    """The fixes that apply to a failure with this breakdown under this plan, most basic first."""
+def fixes_for(memory: dict, plan, budget: int | None = None, where: str = "") -> list[Fix]:
+    """The fixes that apply to a failure with this breakdown under this plan, most basic first.
+    `where` is the phase that failed (`Attempt.where`): an optimizer step's failure gets the fixes
+    for the step, not those for activations (they are gone by then)."""
     if not memory:
         return []
     params, grads, optimizer, activations, other = (int(memory.get(k, 0)) for k in KINDS)
-    total = sum(int(memory.get(k, 0)) for k in KINDS)
+    step = int(memory.get("step", 0))  # the optimizer step's temporaries, for its phases
+    # "batch": the global batch autofit read onto the device; part of the step, never the user's
+    total = sum(int(memory.get(k, 0)) for k in KINDS) + step + int(memory.get("batch", 0))
     limit = budget or total
     limit_words = f"the {format_size(budget)} budget" if budget else \
         f"the {format_size(total)} in use at the failure"
@@ -99,6 +103,9 @@ def fixes_for(memory: dict, plan, budget: int | None = None) -> list[Fix]:
             f"steps, and `del` what the next step does not need; autofit cannot free what your "
             f"code still references.")))
 
+    if where.startswith("optimizer"):
+        return out + _step_fixes(where, plan, params, optimizer, step, total)
+
     big_activations = total and activations >= LARGE_SHARE * total
     if total and activations >= DOMINATE_SHARE * total and plan.micro_batch_size > 1:
         half = plan.micro_batch_size // 2
@@ -125,9 +132,31 @@ def fixes_for(memory: dict, plan, budget: int | None = None) -> list[Fix]:
     return out
 
 
+def _step_fixes(where: str, plan, params: int, optimizer: int, step: int, total: int) -> list[Fix]:
+    """Fixes for a failure inside optimizer.step(): what lowers the step's own peak."""
+    out = []
+    if where == "optimizer.step" and step and not plan.per_parameter_step and not plan.offload_optimizer:
+        out.append(Fix("per-parameter-step", "a per-parameter optimizer step (foreach=False)", (
+            f"the optimizer step itself ran out of memory: its temporaries took {format_size(step)} "
+            f"on top of the parameters, gradients and state (a foreach step makes them for every "
+            f"parameter at once); foreach=False updates one parameter at a time, so they are one "
+            f"parameter's. A smaller micro-batch, AMP or checkpointing would not help: they shrink "
+            f"activations, which are gone by the step.")))
+    if not plan.offload_optimizer:
+        if optimizer:
+            what = f"its state ({format_size(optimizer)}, {_pct(optimizer, total)})"
+        else:  # the first step failed making it
+            what = (f"its state (about {format_size(ADAMW_STATE * params)} for AdamW, which this "
+                    f"first step was creating)")
+        out.append(Fix("offload", "optimizer offload", (
+            f"{what} can live in CPU memory and be stepped there, at the cost of host-device "
+            f"copies.")))
+    return out
+
+
 # -- what autofit did ---------------------------------------------------------------------------
 
-_APPLIED = {"accumulation", "amp", "checkpointing", "offload"}
+_APPLIED = {"accumulation", "amp", "checkpointing", "offload", "per-parameter-step"}
 
 
 def _changes(old, new) -> tuple[list[str], set]:
@@ -151,6 +180,10 @@ def _changes(old, new) -> tuple[list[str], set]:
         words.append(f"optimizer state {where}")
         if new.offload_optimizer:
             keys.add("offload")
+    if new.per_parameter_step != old.per_parameter_step:
+        words.append("per-parameter optimizer step " + ("on" if new.per_parameter_step else "off"))
+        if new.per_parameter_step:
+            keys.add("per-parameter-step")
     return words, keys
 
 
@@ -172,7 +205,7 @@ def _explain_attempt(attempts, i, number: int, budget, raised: bool, given: set)
     changes, applied = _changes(a.plan, nxt.plan) if nxt is not None else ([], set())
     if a.memory:
         lines.append(f"  memory at the failure: {format_breakdown(a.memory, budget)}")
-        fixes = fixes_for(a.memory, a.plan, budget)
+        fixes = fixes_for(a.memory, a.plan, budget, a.where)
         if fixes:
             lines.append("  fixes that apply:")
             for fix in fixes:

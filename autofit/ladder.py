@@ -21,8 +21,10 @@ BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper move
 
 
 def config_of(plan: Plan) -> tuple:
-    """What a micro-batch size's memory depends on besides the size itself and the batch's rows."""
-    return (plan.precision, plan.checkpointing, plan.offload_optimizer)
+    """What a micro-batch size's memory depends on besides the size itself and the batch's rows.
+    (A per-parameter step is appended only when on, so keys cached before it stay the same.)"""
+    key = (plan.precision, plan.checkpointing, plan.offload_optimizer)
+    return key + ("per-parameter step",) if plan.per_parameter_step else key
 
 
 EVERY = None  # a length not given: a record or a question about every length
@@ -67,6 +69,15 @@ class SizeLog:
             del fits[seen]
         if not fits:
             self.fits.pop(key, None)
+
+    def forget_fail(self, plan: Plan, length=EVERY) -> None:
+        """Forget the failure of `plan`'s size at `length` (an expired failure), if still recorded."""
+        at = 0 if length is EVERY else length
+        fails = self.fails.get(config_of(plan), {})
+        if fails.get(at) == plan.micro_batch_size:
+            del fails[at]
+            if not fails:
+                self.fails.pop(config_of(plan), None)
 
     def settle(self, plan: Plan, length=None) -> None:
         """`plan`'s micro-batch is the largest that fits its configuration at `length`: no probe
@@ -266,6 +277,64 @@ def offload_optimizer() -> Move:
     return SetField("offload_optimizer", True, "optimizer state moves to CPU memory")
 
 
+def per_parameter_step() -> Move:
+    return SetField("per_parameter_step", True, "the optimizer updates one parameter at a time "
+                    "(a for-loop instead of foreach), so the step's temporaries are one parameter's")
+
+
+# -- moves are offers; the phase of a failure picks which come first -----------------------------
+
+# Where an attempt ran out of memory (`StepRunner.phase`, `Attempt.where`).
+PHASES = ("forward", "backward", "optimizer.state", "optimizer.step")
+
+
+class ByPhase(Move):
+    """A ladder whose moves for a failure in a given phase come first: `general` is offered after
+    them, and alone when the phase is not known (a plain `take`)."""
+
+    def __init__(self, general, first: dict):
+        unknown = set(first) - set(PHASES)
+        if unknown:
+            raise ValueError(f"phases must be among {PHASES} but got {sorted(unknown)}.")
+        self.general = as_move(general)
+        self.first = {phase: as_move(moves) for phase, moves in first.items()}
+
+    def take(self, plan):
+        return self.general.take(plan)
+
+    def __repr__(self):
+        return "; ".join([repr(self.general)] + [f"first after {phase}: {moves!r}"
+                                                for phase, moves in self.first.items()])
+
+
+def offers(ladder: Move, phase: str = "") -> list[Move]:
+    """The moves of `ladder` in the order they are offered for a failure in `phase`."""
+    if isinstance(ladder, ByPhase):
+        first = ladder.first.get(phase)
+        return (offers(first) if first is not None else []) + offers(ladder.general)
+    if isinstance(ladder, Either):
+        return list(ladder.moves)
+    return [ladder]
+
+
+def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None):
+    """(new plan, why, skipped) from the first move that steps `plan` down to a plan that applies to
+    this job; `applies(plan) -> reason | None` says why a plan does not (no repeated blocks to
+    checkpoint, no bf16 on this device, ...), and such moves are skipped, listed in `skipped` as
+    (move, reason). (None, "", skipped) when no move has a step left."""
+    skipped = []
+    for move in offers(ladder, phase):
+        taken = move.take(plan)
+        if taken is None:
+            continue
+        reason = applies(taken[0]) if applies is not None else None
+        if reason:
+            skipped.append((move, reason))
+            continue
+        return taken[0], taken[1], skipped
+    return None, "", skipped
+
+
 def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool = True) -> Move:
     """Exact moves first (accumulation), then cheaper numerics, then recomputation, then offload.
 
@@ -277,4 +346,12 @@ def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool
     if precision == "auto":
         steps.append(mixed_precision("bf16" if bf16_supported else "fp16"))
     steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
-    return Either(*steps)
+    return phased(Either(*steps))
+
+
+def phased(general: Move) -> ByPhase:
+    """`general` with the moves that fit each phase first: an optimizer step that runs out of memory
+    updates one parameter at a time, then moves its state to the host; the state's creation (the
+    first step) moves it to the host; forward and backward (activations) take `general` as is."""
+    return ByPhase(general, {"optimizer.step": [per_parameter_step(), offload_optimizer()],
+                             "optimizer.state": [offload_optimizer()]})

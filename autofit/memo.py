@@ -34,14 +34,29 @@ class Memo:
             model=model, batch=batch, optimizer_name=type(optimizer).__name__,
             global_batch=global_batch, precision=precision, device_name=device.name,
             device_total=getattr(device, "total_bytes", None), budget=device.budget)
-        self.cache = PlanCache()
         self.global_batch = global_batch
+        self.precision = precision
+        try:
+            self.cache = PlanCache()
+        except Exception as error:  # a path that is a directory, say: never stops training
+            log.warning("plan cache not used: %s", error)
+            self.enabled = False
+            return
         self.started = time.perf_counter()
 
-    def recall(self, sizes: SizeLog) -> tuple[Plan, dict] | None:
-        """The cached plan and its entry, with the sizes it was proven against loaded into `sizes`."""
+    def recall(self, sizes: SizeLog, applies=None) -> tuple[Plan, dict] | None:
+        """The cached plan and its entry, with the sizes it was proven against loaded into `sizes`.
+        A row that cannot be read or contradicts the job (another precision than the one asked
+        for, a plan `applies(plan) -> reason | None` refuses) is ignored with a warning."""
         if not self.enabled:
             return None
+        try:
+            return self._recall(sizes, applies)
+        except Exception as error:  # never raises into a run
+            log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], error)
+            return None
+
+    def _recall(self, sizes: SizeLog, applies) -> tuple[Plan, dict] | None:
         try:
             entry = self.cache.get(self.key)
             plan = self.cache.get_plan(self.key) if entry is not None else None
@@ -50,6 +65,14 @@ class Memo:
             return None
         if plan is None:
             return None
+        wrong = None
+        if self.precision != "auto" and plan.precision != self.precision:
+            wrong = f"its plan is {plan.precision} but this job asks for precision={self.precision!r}"
+        elif applies is not None:
+            wrong = applies(plan)
+        if wrong:
+            log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], wrong)
+            return None
         config = config_of(plan)
         try:
             known = SizeLog.from_json(entry["sizes"]) if "sizes" in entry else None
@@ -57,6 +80,13 @@ class Memo:
             log.warning("plan cache %s: the sizes of entry %s are unreadable (%s); using its plan only",
                         self.cache.path, self.key[:12], error)
             known = None
+        if known is not None:
+            try:  # sizes must be positive ints at int (or every) lengths
+                _check_sizes(known)
+            except (TypeError, ValueError) as error:
+                log.warning("plan cache %s: the sizes of entry %s are unreadable (%s); using its plan "
+                            "only", self.cache.path, self.key[:12], error)
+                known = None
         if known is None or not known.fits.get(config):  # an entry of an earlier autofit
             known = SizeLog()
             known.record(plan, True)  # for every length
@@ -98,3 +128,13 @@ class Memo:
             self.cache.put(self.key, self.fields, entry)
         except Exception as error:
             log.warning("plan cache %s not written: %s", self.cache.path, error)
+
+
+def _check_sizes(known: SizeLog) -> None:
+    for table in (known.fits, known.fails):
+        for key, sizes in table.items():
+            for length, size in sizes.items():
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise ValueError(f"size {size!r} for {list(key)} is not a positive int")
+                if isinstance(length, bool) or not isinstance(length, (int, float)) or length < 0:
+                    raise ValueError(f"row length {length!r} for {list(key)} is not a number")

@@ -78,6 +78,30 @@ class Offloaded:
         self.host.state.clear()
 
 
+def rebuild_problem(optimizer) -> str | None:
+    """Why `Offloaded` cannot rebuild this optimizer over host copies, or None when it can: its
+    class must take (params, **defaults) and step without a closure."""
+    cls = type(optimizer)
+    name = cls.__name__
+    try:
+        signature = inspect.signature(cls.__init__)
+        step = inspect.signature(cls.step)
+    except (TypeError, ValueError):
+        return f"{name}'s constructor cannot be read"
+    required = [p.name for p in list(signature.parameters.values())[2:]
+                if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name not in optimizer.defaults]
+    if required:
+        return f"{name} needs {', '.join(required)} to be rebuilt, which its defaults do not hold"
+    closure = step.parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return f"{name}.step needs a closure"
+    if not isinstance(getattr(optimizer, "defaults", None), dict):
+        return f"{name} keeps no defaults to rebuild it from"
+    return None
+
+
 def _restore_group_options(optimizer, groups) -> None:
     # load_state_dict copies the saved groups' options; keep the host-only ones.
     for group, wanted in zip(optimizer.param_groups, groups):

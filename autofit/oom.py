@@ -24,7 +24,11 @@ OOM_MESSAGES = (
 
 
 def is_oom(error: BaseException | None) -> bool:
-    """True when `error`, or an error it was raised from or during, is an out-of-memory error."""
+    """True when `error`, or an error it was raised from or during, is an out-of-memory error.
+
+    The chain is followed as Python prints it: `__cause__`, else `__context__` unless the raise
+    suppressed it (`raise X from None` inside an OOM handler is a deliberate new error, not an OOM).
+    """
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -34,7 +38,12 @@ def is_oom(error: BaseException | None) -> bool:
             return True
         if isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES):
             return True
-        error = error.__cause__ or error.__context__
+        if error.__cause__ is not None:
+            error = error.__cause__
+        elif error.__suppress_context__:
+            return False
+        else:
+            error = error.__context__
     return False
 
 

@@ -18,6 +18,10 @@ def _positive(name: str, value) -> None:
 class Plan:
     """How a global batch runs: split into micro-batches, precision, checkpointing, offload.
 
+    `per_parameter_step`: the optimizer updates one parameter at a time (its param_groups'
+    `foreach=False` while the plan runs), so the step's temporaries are one parameter's, not all
+    of them at once (foreach AdamW needs a parameter-sized temporary across every parameter).
+
     `accumulation_steps` is derived from the global batch when a plan is made by `Plan.for_batch`;
     a batch shorter than `micro_batch_size * accumulation_steps` (the last one of an epoch) is split
     by `micro_batch_size` and its last micro-batch may be shorter.
@@ -28,6 +32,7 @@ class Plan:
     precision: str = "fp32"
     checkpointing: bool = False
     offload_optimizer: bool = False
+    per_parameter_step: bool = False  # a default, so plans cached before it stay valid
 
     def __post_init__(self):
         _positive("micro_batch_size", self.micro_batch_size)
@@ -75,4 +80,6 @@ class Plan:
             parts.append("checkpointing")
         if self.offload_optimizer:
             parts.append("offload")
+        if self.per_parameter_step:
+            parts.append("per-parameter step")
         return ", ".join(parts)

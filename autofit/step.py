@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .applies import not_applicable
 from .atomic import AtomicStep
 from .batches import split, weights
 from .checkpointing import Checkpointing
@@ -60,6 +61,8 @@ def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
 class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
+    phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
+
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
                  count_tokens=None, sync=None, forward=None, max_grad_norm=None, weighting=None):
         self.model, self.optimizer, self.device = model, optimizer, device
@@ -77,6 +80,9 @@ class StepRunner:
         self.scaler = None
         self._scaler_state = None
         self.peak = 0
+        # Where the current attempt is (ladder.PHASES); read by the controller after an OOM.
+        self.phase = ""
+        self._foreach = None  # the groups' own `foreach` while a per-parameter step is on
 
     # -- plan switches -------------------------------------------------------------------------
     def prepare(self, plan) -> None:
@@ -90,6 +96,23 @@ class StepRunner:
             self.offloaded = None
         if plan.precision == "fp16" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
+        self._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
+
+    def _per_parameter(self, on: bool) -> None:
+        groups = self.optimizer.param_groups
+        if on:
+            if self._foreach is None:
+                self._foreach = [g.get("foreach") for g in groups]
+            for g in groups:  # every time: an attempt's restore may have put the groups back
+                g["foreach"] = False
+        elif self._foreach is not None:
+            for g, own in zip(groups, self._foreach):
+                g["foreach"] = own
+            self._foreach = None
+
+    def not_applicable(self, plan) -> str | None:
+        """Why `plan` cannot run for this model, optimizer and device (a move to skip), or None."""
+        return not_applicable(plan, self.model, self.optimizer, self.device, self.checkpointing)
 
     def close(self) -> None:
         """Leave the model and optimizer as a plain loop would: own switches off, state home."""
@@ -97,6 +120,7 @@ class StepRunner:
         if self.offloaded is not None:
             self.offloaded.give_back()
             self.offloaded = None
+        self._per_parameter(False)
 
     def abandon(self) -> None:
         """Forget a failed attempt: gradients and scaler bookkeeping go back to before it."""
@@ -134,17 +158,47 @@ class StepRunner:
             part = self.device.to_device(part)
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
+                self.phase = "forward"
                 with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
                     loss = compute_loss(self.forward, part, self.loss_fn, items)
                 scaled = loss * share
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
+                self.phase = "backward"
                 scaled.backward()
             term = loss.detach().float() * share
             total = term if total is None else total + term
             del part, loss, scaled, term
         del parts
         return total
+
+    def _phased(self, step):
+        """`step` that sets the phase: "optimizer.step" around it (clipping included);
+        "optimizer.state" from the moment the optimizer itself starts a step with state to create
+        (its pre-hook) until that state is all made."""
+        optimizer = self.optimizer
+
+        def missing() -> bool:
+            return self.offloaded is None and any(
+                p.grad is not None and not optimizer.state.get(p)
+                for g in optimizer.param_groups for p in g["params"])
+
+        def starting(*_):
+            if missing():
+                self.phase = "optimizer.state"
+
+        def run():
+            self.phase = "optimizer.step"
+            hook = optimizer.register_step_pre_hook(starting)
+            try:
+                step()
+            except BaseException:
+                if self.phase == "optimizer.state" and not missing():
+                    self.phase = "optimizer.step"  # the state was all made: the update failed
+                raise
+            finally:
+                hook.remove()
+        return run
 
     def attempt_peak(self) -> int:
         """The device peak of the current attempt (the step resets the counter to measure itself)."""
@@ -169,6 +223,7 @@ class StepRunner:
                 target.step()
         if wrap is not None:
             step = wrap(step)
+        step = self._phased(step)
         key = config_of(plan)
         try:
             self.atomic(step, key=key, guard=False if self.offloaded is not None else guard)

@@ -3,9 +3,18 @@
 optuna is an optional extra, imported only here and only when tuning (`import_optuna`). The study has
 one categorical parameter, "plan" (a plan's `describe()` text), and the search space is stored in
 the study itself (user attribute SPACE_ATTR), so every process tuning the same job measures the same
-plans. Each plan is enqueued once (`Study.enqueue_trial`) and each trial pops one from the queue:
-several processes sharing a storage split the plans between them, and a plan already measured,
-queued or being measured is not enqueued again.
+plans.
+
+One optuna trial is one plan measured once. A *measurement* of the study is `rounds` rounds, each
+round every plan once, the order rotated by one plan per round (round r starts at plan r mod n), so
+a slow spell of the machine falls on different plans in different rounds, and no plan is always
+measured first or right after another. Each (round, plan) is enqueued once (`Study.enqueue_trial`,
+the user attribute ROUND_ATTR = [measurement, round]) and each trial pops the oldest from the
+queue: several processes sharing a storage split the trials between them, and a trial already
+done, queued or running is not enqueued again. The first measurement is number 0; `retune=True`
+starts the next one, and the result is read from the newest measurement only (older ones stay in
+the study as history). A plan that ran out of memory in a round is not measured again in that
+measurement: its later trials are pruned at once.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ log = logging.getLogger("autofit")
 
 INSTALL_HINT = "pip install 'autofit[tune]'"
 SPACE_ATTR = "autofit_space"
+ROUND_ATTR = "autofit_round"  # [measurement, round] of a trial
 HEARTBEAT_S = 60  # storages tune opens beat every minute; a crashed trial is failed after two
 SQLITE_TIMEOUT_S = 30.0
 
@@ -34,6 +44,21 @@ class TuneTrial:
     outcome: str
     samples_per_second: float | None
     peak_bytes: int | None = None
+    round: int = 0          # the round of its measurement
+    measurement: int = 0    # 0 for the first measurement of the study, +1 for each retune
+
+
+def round_order(keys: list, rounds: int) -> list[tuple[int, str]]:
+    """[(round, plan key)] in the order they are measured: every plan once per round, round r
+    starting at plan r mod n (a rotation), so each plan is measured in every position."""
+    n = len(keys)
+    return [(r, keys[(r + i) % n]) for r in range(rounds) for i in range(n)]
+
+
+def _round_of(trial) -> tuple[int, int]:
+    """(measurement, round) of a trial (a trial of an older study without the attribute: (0, 0))."""
+    measurement, round_ = trial.user_attrs.get(ROUND_ATTR, (0, 0))
+    return measurement, round_
 
 
 def import_optuna():
@@ -90,46 +115,68 @@ def stored_space(study, global_batch: int, compute) -> tuple[Plan, list[Plan]]:
     return Plan.from_dict(stored["default"]), [Plan.from_dict(p) for p in stored["plans"]]
 
 
-def run_queue(optuna, study, plans: dict, n_trials, objective) -> int:
-    """Enqueue each plan (`plans`: describe() -> Plan, in order) that is not measured, queued or
-    being measured yet; run at most `n_trials` trials from the queue (None: all of it), each
-    `objective(plan, trial)`. Returns the number of trials run here."""
+def run_queue(optuna, study, plans: dict, n_trials, objective, *, rounds: int = 1,
+              retune: bool = False) -> tuple[int, int]:
+    """Enqueue the (round, plan) trials of the newest measurement (`plans`: describe() -> Plan, in
+    order; `retune`: of a new measurement) that are not done, queued or running yet, in
+    `round_order`; run at most `n_trials` of the queue (None: all of it), each
+    `objective(plan, trial)`. Returns (trials run here, the measurement)."""
     states = optuna.trial.TrialState
     with _quiet(optuna):
         optuna.storages.fail_stale_trials(study)  # running trials of a crashed process (heartbeats)
-    seen = {t.params.get("plan") for t in study.get_trials(
-        deepcopy=False, states=(states.COMPLETE, states.PRUNED, states.RUNNING))}
-    queued = {t.system_attrs.get("fixed_params", {}).get("plan")
-              for t in study.get_trials(deepcopy=False, states=(states.WAITING,))}
-    for key in plans:
-        if key not in seen and key not in queued:
-            study.enqueue_trial({"plan": key})
+    everything = study.get_trials(deepcopy=False)
+    measurement = max((_round_of(t)[0] for t in everything), default=0)
+    if retune and everything:
+        measurement += 1
+    taken = {(_round_of(t)[1], t.params.get("plan") or t.system_attrs.get("fixed_params", {}).get("plan"))
+             for t in everything if _round_of(t)[0] == measurement and t.state != states.FAIL}
+    for round_, key in round_order(list(plans), rounds):
+        if (round_, key) not in taken:
+            study.enqueue_trial({"plan": key}, user_attrs={ROUND_ATTR: [measurement, round_]})
     waiting = len(study.get_trials(deepcopy=False, states=(states.WAITING,)))
     count = waiting if n_trials is None else min(n_trials, waiting)
     if n_trials is not None and n_trials > waiting:
-        log.info("tune: n_trials=%d, but %d of %d plan(s) are left to measure and each plan is "
-                 "measured once", n_trials, waiting, len(plans))
+        log.info("tune: n_trials=%d, but %d trial(s) of %d round(s) of %d plan(s) are left to measure",
+                 n_trials, waiting, rounds, len(plans))
     if count == 0:
-        return 0
+        return 0, measurement
     choices, ran = list(plans), []
+
+    def out_of_memory_before(key) -> bool:
+        return any(t.params.get("plan") == key and t.state == states.PRUNED
+                   and t.user_attrs.get("autofit", {}).get("outcome") == "oom"
+                   and _round_of(t)[0] == measurement
+                   for t in study.get_trials(deepcopy=False, states=(states.PRUNED,)))
 
     def trial_of(trial):
         ran.append(trial.number)
-        return objective(plans[trial.suggest_categorical("plan", choices)], trial)
+        key = trial.suggest_categorical("plan", choices)
+        if _round_of(trial)[0] != measurement:  # queued by an older measurement: not this one's
+            trial.set_user_attr("autofit", {"outcome": "superseded"})
+            raise optuna.TrialPruned("queued for an older measurement of the study")
+        if out_of_memory_before(key):
+            trial.set_user_attr("autofit", {"outcome": "oom", "skipped": True,
+                                            "error": "ran out of memory in an earlier round"})
+            raise optuna.TrialPruned(f"{key} ran out of memory in an earlier round")
+        return objective(plans[key], trial)
 
     def stop_when_empty(study, _trial):
         if not study.get_trials(deepcopy=False, states=(states.WAITING,)):
             study.stop()  # another process took the rest: sampling would only repeat a plan
 
     study.optimize(trial_of, n_trials=count, callbacks=[stop_when_empty], gc_after_trial=False)
-    return len(ran)
+    return len(ran), measurement
 
 
-def finished(optuna, study, plans: dict) -> list[TuneTrial]:
-    """Every finished trial of a plan of `plans`, by trial number."""
+def finished(optuna, study, plans: dict, measurement: int = 0) -> list[TuneTrial]:
+    """Every finished trial of a plan of `plans` in `measurement`, by trial number."""
     states = optuna.trial.TrialState
     outcome = {states.COMPLETE: "ok", states.PRUNED: "oom", states.FAIL: "error"}
-    return [TuneTrial(t.number, plans[t.params["plan"]], outcome[t.state], t.value,
-                      t.user_attrs.get("autofit", {}).get("peak_bytes"))
-            for t in study.get_trials(deepcopy=False, states=tuple(outcome))
-            if t.params.get("plan") in plans]
+    trials = []
+    for t in study.get_trials(deepcopy=False, states=tuple(outcome)):
+        which, round_ = _round_of(t)
+        attrs = t.user_attrs.get("autofit", {})
+        if t.params.get("plan") in plans and which == measurement and attrs.get("outcome") != "superseded":
+            trials.append(TuneTrial(t.number, plans[t.params["plan"]], outcome[t.state], t.value,
+                                    attrs.get("peak_bytes"), round_, which))
+    return trials

@@ -27,6 +27,7 @@ from .evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from .inputs import build_optimizer, build_scheduler, check_training_options
 from .ladder import SizeLog, as_move
 from .leaks import LeakWatch
+from .applies import not_applicable
 from .memo import Memo
 from .plan import Plan
 from .start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
@@ -120,9 +121,9 @@ class Training:
             if tuned is not None:
                 sizes.settle(tuned.plan)  # for every length
                 return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
-                        f"tuned: fastest of {len(tuned.space)} plan(s) measured "
-                        f"({tuned.samples_per_second:.1f} samples/s)", 0.0)
-            recalled = memo.recall(sizes)
+                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
+            recalled = memo.recall(sizes, applies=lambda plan: not_applicable(plan, model, opt, device))
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:

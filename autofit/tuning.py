@@ -1,4 +1,5 @@
 """autofit.tune (this module: autofit.tuning): measure the plans the estimator says fit, and cache the fastest for autofit.run.
+(Over 300 lines: its docstring is the reference of what tune measures and how it chooses.)
 
 The search space
 ----------------
@@ -19,15 +20,32 @@ Plans are tried in that order: the default, then the others by the cost model's 
 first, so a small `n_trials` measures the likeliest winners. With precision="auto", tune may pick
 bf16 (fp16) where it measures faster, as the ladder may; pass precision="fp32" to keep exact math.
 
-Trials and the study
---------------------
+Rounds, the statistic and the winner
+------------------------------------
 A trial trains `warmup + steps` real global batches under one plan with the runner's own machinery
 (`throughput.measure`) and times the last `steps`; the model and optimizer are restored from host
-copies after each trial. A plan is measured once (see `study.run_queue`): `n_trials` bounds the
-trials of one call, and more trials than plans left are not run. A trial that runs out of memory is
-pruned after the controller freed what it held, and such a plan is never the winner. The winner is
-the plan with the most samples per second, except that the default plan stays unless another is
-more than MIN_GAIN (3%) faster.
+copies after each trial. A machine shared with other work is noisy: on 2 busy cores one trial's
+samples/s varied by 5-20% between repeats, and a stall during one trial made a plan look 30x slower.
+So tune measures in `rounds` interleaved rounds (`study.round_order`): each round measures every
+plan once, the order rotated by one plan per round, so a slow spell hits different plans in
+different rounds. A plan's figure is the *median* of its rounds (one stalled round cannot move it)
+and its *spread* the median absolute deviation of its rounds from that median (a stalled round
+does not widen it either). A lead counts only when it is larger than the spread of both plans and
+than MIN_GAIN (a lead the machine's own noise could make is no lead): the winner is the first plan
+of the space (the default, then the cost model's order) that the highest median does not clearly
+beat (`verdict.verdict`), so the default stays unless another plan clearly beats it, and between
+plans the noise cannot tell apart the same one wins every time. A trial that runs out of memory
+is pruned after the controller freed what it held; such a plan is not measured in later rounds and
+is never the winner. `describe()` shows each plan's median, spread and range, and the reason of the
+choice.
+
+The study
+---------
+One optuna trial is one plan in one round. `n_trials` bounds the trials of one call (a call with a
+small `n_trials` leaves the rest of the rounds queued for the next call); when every round is done,
+tune measures nothing more and reads the result from the study, unless `retune=True`, which starts a
+new measurement of `rounds` rounds (the stored result may come from a machine that was busier or
+quieter than now); the result is read from the newest measurement only.
 
 The study is named after the job key `autofit.run` caches plans under ("autofit-<key>"), so every
 process tuning the same job (same model, batch layout, optimizer, precision, device, budget,
@@ -41,87 +59,52 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from .batches import batch_size as rows_of
 from .controller import Attempt
 from .device import open_device
-from .errors import DoesNotFit
 from .inputs import build_optimizer, global_batches
 from .ladder import SizeLog, config_of
 from .memo import Memo
-from .plan import PRECISIONS, Plan
-from .report import table
+from .plan import PRECISIONS
 from .start import longest_batch, tensor_budget
 from .study import (TuneTrial, close_storage, finished, import_optuna, open_storage, run_queue,
                     stored_space)
 from .throughput import Pristine, measure, search_space
+from .verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict  # noqa: F401  (names of autofit.tune)
 
 log = logging.getLogger("autofit")
 
 STUDY_PREFIX = "autofit-"
 PRECISION_POLICIES = ("auto",) + PRECISIONS
-RUN_OPTIONS = ("n_trials", "steps", "warmup", "storage", "study_name", "clock")
-# A plan replaces the default one only when it measured more than 3% faster, so a near-tie keeps
-# the plan the cost model and the ladder agree on. It is no guard against noise: on a shared 2-core
-# machine one trial's samples/s varied by 5-20% between repeats (benchmarks/tune.py); more `steps`
-# per trial are.
-MIN_GAIN = 0.03
+RUN_OPTIONS = ("n_trials", "steps", "warmup", "rounds", "retune", "storage", "study_name", "clock")
 
 
-@dataclass
-class TuneResult:
-    plan: Plan                                   # the winner, cached for autofit.run
-    samples_per_second: float
-    default_plan: Plan                           # where autofit.run starts without tuning
-    default_samples_per_second: float | None     # None: it ran out of memory, or is not measured yet
-    trials: list[TuneTrial] = field(default_factory=list)   # every finished trial of the study
-    space: list[Plan] = field(default_factory=list)         # the plans, in the order they are tried
-    measured: int = 0                            # trials this call ran
-    study_name: str = ""
-    storage: str = ""
-    key: str = ""                                # the plan-cache key (fingerprint.job_key)
-    cached: bool = False                         # whether the winner is in the plan cache
-
-    @property
-    def speedup(self) -> float | None:
-        """Samples per second of the winner over the default plan's (None when that is unknown)."""
-        if not self.default_samples_per_second:
-            return None
-        return self.samples_per_second / self.default_samples_per_second
-
-    def describe(self) -> str:
-        rows = [["*" if t.plan == self.plan else "", t.number, t.plan.describe(), t.outcome,
-                 None if t.samples_per_second is None else round(t.samples_per_second, 1),
-                 "yes" if t.plan == self.default_plan else ""] for t in self.trials]
-        speedup = "unknown" if self.speedup is None else f"{self.speedup:.2f}x"
-        return (table(["", "trial", "plan", "outcome", "samples/s", "default"], rows) +
-                f"\nchosen: {self.plan.describe()}, {self.samples_per_second:.1f} samples/s, "
-                f"{speedup} the default plan's ({self.default_plan.describe()})")
-
-
-def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, batch_size=None, loss_fn=None,
-         optimizer=None, precision="auto", storage=None, study_name=None, cache=True,
-         clock=time.perf_counter) -> TuneResult:
-    """Measure the plans predicted to fit `budget`, `warmup + steps` real global batches each (the
-    first `warmup` untimed), and cache the fastest, so the next `autofit.run(model, data,
-    budget=budget, ...)` of this job starts from it. Give `budget`, `batch_size`, `optimizer` and
+def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False,
+         batch_size=None, loss_fn=None, optimizer=None, precision="auto", storage=None, study_name=None,
+         cache=True, clock=time.perf_counter) -> TuneResult:
+    """Measure the plans predicted to fit `budget` in `rounds` interleaved rounds, `warmup + steps`
+    real global batches per plan and round (the first `warmup` untimed), and cache the plan with
+    the highest median when its lead is larger than the spread (else the default plan), so the
+    next `autofit.run(model, data, budget=budget, ...)` of this job starts from it. Give `budget`, `batch_size`, `optimizer` and
     `precision` as to `autofit.run`: they are part of the cache key. The model (parameters, buffers,
     gradients, train/eval flag), the optimizer's state and torch's RNG are left as they were.
 
-    `n_trials`: at most this many trials in this call (None: every plan not measured yet).
+    `n_trials`: at most this many trials (one plan in one round each) in this call (None: every
+    trial of the measurement not run yet).
+    `rounds`: rounds of the measurement (every plan once per round, the order rotated).
+    `retune`: measure again (a new measurement of `rounds` rounds) even when the study holds one.
     `storage`: an optuna storage or database URL (default: the plan cache's SQLite file).
     `clock`: the timer of the measured steps, in seconds (default `time.perf_counter`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    check_options(n_trials=n_trials, steps=steps, warmup=warmup, storage=storage,
-                  study_name=study_name, clock=clock)
+    check_options(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
+                  storage=storage, study_name=study_name, clock=clock)
     if precision not in PRECISION_POLICIES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -143,15 +126,15 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, batch_si
             try:
                 return tune_on(device, model, opt, first=first, batches=batches,
                                longest=longest_batch(data, first), precision=precision, loss_fn=loss_fn,
-                               n_trials=n_trials, warmup=warmup, storage=storage,
-                               study_name=study_name, cache=cache, clock=clock)
+                               n_trials=n_trials, warmup=warmup, rounds=rounds, retune=retune,
+                               storage=storage, study_name=study_name, cache=cache, clock=clock)
             finally:
                 placed.undo(opt)
 
 
 def tune_on(device, model, optimizer, *, first, batches, longest=None, precision="auto", loss_fn=None,
-            n_trials=None, warmup=1, storage=None, study_name=None, cache=True,
-            clock=time.perf_counter) -> TuneResult:
+            n_trials=None, warmup=1, rounds=ROUNDS, retune=False, storage=None, study_name=None,
+            cache=True, clock=time.perf_counter) -> TuneResult:
     """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`):
     every trial trains `batches` (host global batches), the first `warmup` of them untimed."""
     optuna = import_optuna()
@@ -182,11 +165,13 @@ def tune_on(device, model, optimizer, *, first, batches, longest=None, precision
             plans = {p.describe(): p for p in space}
             objective = _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock,
                                    pristine)
-            measured = run_queue(optuna, study, plans, n_trials, objective)
+            measured, measurement = run_queue(optuna, study, plans, n_trials, objective, rounds=rounds,
+                                              retune=retune)
         finally:
             pristine.finish()
-        trials = finished(optuna, study, plans)
-        result = _result(trials, default, space, measured, study.study_name, where, memo.key)
+        trials = finished(optuna, study, plans, measurement)
+        result = verdict(trials, default, space, measured, study.study_name, where, memo.key)
+        result.measurement = measurement
         if cache:
             _remember(memo, result, trials, global_batch)
     finally:
@@ -195,16 +180,21 @@ def tune_on(device, model, optimizer, *, first, batches, longest=None, precision
     return result
 
 
-def check_options(*, n_trials=None, steps=3, warmup=1, storage=None, study_name=None,
-                  clock=time.perf_counter) -> None:
+def check_options(*, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False, storage=None,
+                  study_name=None, clock=time.perf_counter) -> None:
     """Raise on bad tune options, before any work."""
     if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
-        raise ValueError(f"n_trials must be a positive int, or None to measure every plan once, but "
-                         f"got {n_trials!r}.")
+        raise ValueError(f"n_trials must be a positive int, or None to run every trial of the "
+                         f"measurement, but got {n_trials!r}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (global batches timed per trial) but got {steps!r}.")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0 (untimed global batches per trial) but got {warmup!r}.")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int (every plan measured once per round; "
+                         f"{ROUNDS} by default) but got {rounds!r}.")
+    if not isinstance(retune, bool):
+        raise TypeError(f"retune must be True (measure again) or False but got {retune!r}.")
     if storage is not None and not isinstance(storage, str) and not hasattr(storage, "create_new_study"):
         raise TypeError(f"storage must be None (the plan cache file), a database URL such as "
                         f"'postgresql://...' or an optuna storage, but got {type(storage).__name__}.")
@@ -248,7 +238,7 @@ def tune_for_run(options: dict, *, device, model, optimizer, data, first, epoch_
     """What `autofit.run` calls inside its device block, before it chooses the start plan. A
     one-shot iterator is not read further: its first batch is timed again and again."""
     options = dict(options)
-    steps, warmup = options.pop("steps", 3), options.pop("warmup", 1)
+    steps, warmup = options.pop("steps", 3), options.pop("warmup", 1)  # the rest go to tune_on
     with kept_rng():
         if isinstance(data, Iterator):
             batches = [first] * (warmup + steps)
@@ -329,33 +319,6 @@ def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock
     return objective
 
 
-def _result(trials, default, space, measured, study_name, where, key) -> TuneResult:
-    """The fastest plan by mean samples per second over its trials; a plan that ever ran out of
-    memory (or failed) is not eligible; ties go to the earlier plan of the space, and the default
-    plan stays unless another is faster by more than MIN_GAIN."""
-    failed = {t.plan for t in trials if t.outcome != "ok"}
-    speeds: dict[Plan, list[float]] = {}
-    for t in trials:
-        if t.outcome == "ok":
-            speeds.setdefault(t.plan, []).append(t.samples_per_second)
-    mean = {p: statistics.fmean(v) for p, v in speeds.items()}
-    eligible = [p for p in space if p in mean and p not in failed]
-    if not eligible:
-        left = [p for p in space if p not in speeds and p not in failed]
-        tried = ", ".join(f"{t.plan.describe()} -> {t.outcome}" for t in trials) or "none"
-        raise DoesNotFit(f"no plan of this job completed a trial in study {study_name!r} (trials: "
-                         f"{tried}); " + (f"{len(left)} plan(s) are not measured yet: run tune again "
-                                          f"or with a larger n_trials." if left else
-                                          "give a larger budget or a smaller global batch."))
-    best = max(eligible, key=lambda p: (mean[p], -eligible.index(p)))
-    if default in eligible and mean[best] <= mean[default] * (1 + MIN_GAIN):
-        best = default  # within one trial's noise: keep the plan run would start from anyway
-    return TuneResult(plan=best, samples_per_second=mean[best], default_plan=default,
-                      default_samples_per_second=None if default in failed else mean.get(default),
-                      trials=trials, space=list(space), measured=measured, study_name=study_name,
-                      storage=where, key=key)
-
-
 def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None:
     """The winner into the plan cache (the cache takes it as settled), with the sizes of its
     configuration that ran out of memory above it. The sizes that fitted are left out on purpose:
@@ -367,10 +330,10 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
                 and t.plan.micro_batch_size > winner.micro_batch_size:
             sizes.record(t.plan, False, global_batch)
     peak = max((t.peak_bytes or 0 for t in trials if t.plan == winner and t.outcome == "ok"), default=0)
-    memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: fastest measured plan", peak)],
+    memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: the plan tune chose", peak)],
                   global_batch, throughput=result.samples_per_second)
     result.cached = memo.cache.get(memo.key) is not None
 
 
-__all__ = ["TuneResult", "TuneTrial", "check_options", "kept_rng", "run_options", "search_space",
-           "take_batches", "tune", "tune_for_run", "tune_on"]
+__all__ = ["PlanStats", "TuneResult", "TuneTrial", "check_options", "kept_rng", "plan_stats", "run_options",
+           "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]

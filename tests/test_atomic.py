@@ -118,3 +118,134 @@ def test_offloaded_state_lives_on_the_host_and_comes_back():
         assert gpu.memory_allocated() == with_state
         assert optimizer.param_groups[0]["foreach"] is True
         assert int(optimizer.state[next(iter(model.parameters()))]["step"]) == 2
+
+
+# -- a fault at every allocation of a step inside a run: rolled back, or the run stops ------------
+
+class _FaultyAdamW(torch.optim.AdamW):
+    """foreach AdamW (as CUDA runs it) that can arm a fault at the `index`-th allocation (or op, on
+    the plain CPU) of its `call`-th step; `calls` counts how often step() ran."""
+
+    def __init__(self, params, call=None, index=None, counter=None):
+        super().__init__(params, foreach=True)
+        self.call, self.index, self.counter, self.calls = call, index, counter, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        try:
+            if self.calls - 1 != self.call or self.counter is None:
+                return super().step(closure)
+            with self.counter(self.index):
+                return super().step(closure)
+        finally:  # the counters as this call left them (the run clears the state of its own optimizer)
+            self.steps = sorted({int(s["step"]) for s in self.state.values()})
+
+
+def _simulated_fault(index):
+    gpu = autofit.simulate.active_gpu()
+    gpu.fail_at(None if index is None else gpu.allocation_count + index)
+    return _Counting(lambda: gpu.allocation_count)
+
+
+class _Counting:
+    """Context that records how many allocations happened inside it (`last`)."""
+    last = 0
+
+    def __init__(self, read):
+        self.read = read
+
+    def __enter__(self):
+        self.start = self.read()
+
+    def __exit__(self, *exc):
+        _Counting.last = self.read() - self.start
+
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class _CpuFault(TorchDispatchMode):
+    """The plain CPU path: the `at`-th op inside that allocates (an output not aliasing an input)
+    raises the CPU allocator's OOM before it runs."""
+    last = 0
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.count = at, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if all(r.alias_info is not None for r in func._schema.returns):
+            return func(*args, **(kwargs or {}))  # in place or a view: allocates nothing
+        if self.count == self.at:
+            self.count += 1
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                               "4096 bytes. Error code 12 (Cannot allocate memory)")
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        _CpuFault.last = self.count
+        return super().__exit__(*exc)
+
+
+def _fault_run(path, call, index):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    counter = _simulated_fault if path == "simulated" else _CpuFault
+    made = []
+
+    def factory(params):
+        made.append(_FaultyAdamW(params, call, index, counter))
+        return made[-1]
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    def go():
+        return autofit.run(model, data, loss_fn=loss_fn, optimizer=factory, cache=False, progress=False,
+                           capacity_check=False)
+    if path == "simulated":
+        with autofit.simulate_gpu():
+            return model, made[0] if made else None, _call(go), made
+    return model, None, _call(go), made
+
+
+def _call(go):
+    try:
+        return go()
+    except Exception as error:  # noqa: BLE001 - returned to the test to assert on
+        return error
+
+
+@pytest.mark.parametrize("path,guarded", [("simulated", True), ("simulated", False), ("plain", False)],
+                         ids=["simulated-guarded", "simulated-unguarded", "plain-cpu-unguarded"])
+def test_a_fault_at_every_allocation_of_a_step_in_a_run_never_replays_a_partial_update(
+        path, guarded, monkeypatch):
+    """Step 2 of 3 fails at each of its allocations in turn. Guarded, the update is rolled back
+    and replayed once (AdamW's counters end at 3, parameters as without the fault); unguarded
+    (a step whose measured need fitted, or the plain CPU, which cannot tell), the run stops with
+    PartialUpdateError and the step is never called again on top of its partial update."""
+    from autofit.oom import is_oom
+    clean_model, _, result, made = _fault_run(path, call=2, index=None if path == "simulated" else -1)
+    assert isinstance(result, autofit.RunResult) and made[0].calls == 3
+    count = _Counting.last if path == "simulated" else _CpuFault.last
+    assert count >= 4
+    monkeypatch.setattr(AtomicStep, "at_risk", lambda self, key: guarded)
+    for index in range(count):
+        model, _, outcome, made = _fault_run(path, call=2, index=index)
+        optimizer = made[0]
+        steps = optimizer.steps
+        if guarded:
+            assert isinstance(outcome, autofit.RunResult), (index, outcome)
+            assert [(a.step, a.outcome, a.plan.micro_batch_size) for a in outcome.attempts] == \
+                [(0, "ok", 4), (1, "ok", 4), (2, "oom", 4), (2, "ok", 4)], index
+            assert optimizer.calls == 4 and steps == [3], index
+            # The retry kept the plan (the size had fitted): the same update as without the fault.
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), clean_model.parameters()))
+        else:
+            assert isinstance(outcome, PartialUpdateError), (index, outcome)
+            assert not is_oom(outcome)
+            assert optimizer.calls == 3, index       # never called again on top of itself
+            assert set(steps) <= {2, 3}, index       # the failed step applied at most once

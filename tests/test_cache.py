@@ -422,3 +422,100 @@ def test_two_processes_write_at_once(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     for path, count in jobs:
         check_written(pathlib.Path(path), count)
+
+
+# -- the cache never raises into a run, and rows that contradict the job are ignored ----------------
+
+def _job(precision="auto", model=None, **options):
+    import torch
+
+    import autofit
+    torch.manual_seed(0)
+    model = model or torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    return autofit.run(model, data, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                       budget="64MiB", precision=precision, progress=False, capacity_check=False, **options)
+
+
+def _memo_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "autofit" and r.levelno == logging.WARNING]
+
+
+def _rewrite_entry(path, change):
+    import json
+    with sqlite3.connect(path) as conn:
+        [(key, text)] = conn.execute("SELECT key, entry FROM plans").fetchall()
+        entry = json.loads(text)
+        change(entry)
+        conn.execute("UPDATE plans SET entry = ? WHERE key = ?", (json.dumps(entry), key))
+    conn.close()
+
+
+def test_a_cache_path_that_is_a_directory_does_not_stop_the_run(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    (tmp_path / "plans.sqlite").mkdir()
+    with caplog.at_level(logging.WARNING):
+        result = _job()
+    assert [a.outcome for a in result.attempts] == ["ok", "ok"]
+    assert _memo_warnings(caplog) == [
+        f"plan cache not used: the plan cache path {str(tmp_path / 'plans.sqlite')!r} is a directory; "
+        f"pass a file path such as {str(tmp_path / 'plans.sqlite' / 'plans.sqlite')!r}."]
+
+
+@pytest.mark.parametrize("sizes", [
+    {"fits": [[["fp32", False, False], [[None, "eight"]]]], "fails": []},
+    {"fits": [[["fp32", False, False], [[None, -3]]]], "fails": []},
+    {"fits": "not a list", "fails": 7},
+], ids=["a text size", "a negative size", "not tables"])
+def test_a_row_with_bad_sizes_uses_its_plan_only(tmp_path, caplog, sizes):
+    _job()
+    path = default_path()
+    _rewrite_entry(path, lambda e: e.update(sizes=sizes))
+    with caplog.at_level(logging.WARNING):
+        second = _job()
+    assert second.attempts[0].reason.startswith("cached: worked for this job")
+    assert [a.outcome for a in second.attempts] == ["ok", "ok"]
+    assert any("the sizes of entry" in m and "unreadable" in m for m in _memo_warnings(caplog))
+
+
+@pytest.mark.parametrize("plan,precision,why", [
+    ({"precision": "bf16"}, "fp32", "its plan is bf16 but this job asks for precision='fp32'"),
+    ({"checkpointing": True}, "fp32", "activation checkpointing does not apply to _NoBlocks"),
+], ids=["bf16 for an fp32 job", "checkpointing for a model without blocks"])
+def test_a_row_that_contradicts_the_job_is_ignored(tmp_path, caplog, plan, precision, why):
+    import torch
+
+    class _NoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+    _job(precision, model=_NoBlocks())
+    _rewrite_entry(default_path(), lambda e: e["plan"].update(plan))
+    with caplog.at_level(logging.WARNING):
+        second = _job(precision, model=_NoBlocks())
+    assert second.attempts[0].reason == "start: the whole global batch at once"
+    assert second.plan == Plan(8)
+    assert any("ignored" in m and why in m for m in _memo_warnings(caplog)), _memo_warnings(caplog)
+
+
+def test_a_write_protected_cache_is_still_read(tmp_path, monkeypatch):
+    """SQLite refuses to open a write-protected file (or one in a write-protected folder, WAL) for
+    writing; the read is retried read-only. (Tests run as root, so the refusal is simulated.)"""
+    cache = PlanCache(tmp_path / "plans.sqlite")
+    cache.put("k" * 64, FIELDS, entry())
+    real = sqlite3.connect
+    opened = []
+
+    def refusing(database, *args, **kwargs):
+        opened.append(database.split("?")[1])
+        if "mode=rw" in database:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        return real(database, *args, **kwargs)
+    monkeypatch.setattr(sqlite3, "connect", refusing)
+    assert PlanCache(tmp_path / "plans.sqlite").get("k" * 64)["plan"] == entry()["plan"]
+    assert opened == ["mode=rw", "mode=ro"]

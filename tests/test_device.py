@@ -158,6 +158,21 @@ def test_simulated_device_mirrors_its_gpu():
         device.empty_cache()
 
 
+def test_simulated_device_reports_reserved_memory_and_empties_the_cache():
+    mib = 2**20
+    with simulate_gpu("64MiB", caps="reserved") as gpu:
+        device = SimulatedDevice(gpu)
+        kept, dropped = torch.zeros(1000), torch.zeros(3 * mib // 4)   # 2 MiB + 20 MiB segments
+        assert (device.memory_reserved(), device.max_memory_reserved()) == (22 * mib, 22 * mib)
+        del dropped
+        assert device.memory_reserved() == 22 * mib                     # cached by the allocator
+        device.empty_cache()
+        assert (device.memory_reserved(), device.max_memory_reserved()) == (2 * mib, 22 * mib)
+        device.reset_peak_memory_stats()
+        assert device.max_memory_reserved() == 2 * mib
+        del kept
+
+
 def test_live_tensors_largest_first_one_per_storage():
     outside = torch.zeros(100_000)
     with simulate_gpu() as gpu:
@@ -186,6 +201,7 @@ def test_describe_tensors():
 def test_base_device_defaults():
     device = Device()
     assert (device.memory_allocated(), device.max_memory_allocated(), device.free_bytes()) == (0, 0, None)
+    assert (device.memory_reserved(), device.max_memory_reserved()) == (0, 0)
     model = torch.nn.Linear(2, 2)
     device.place_model(model)
     assert model.weight.device.type == "cpu"

@@ -375,3 +375,83 @@ def test_the_trainers_own_clipping_still_acts_after_a_step_down(tmp_path, monkey
     # An uninterrupted 16 x 2 run clips the same gradients at steps 2-3.
     assert [n for _, n in clipped[6:8]] == [n for _, n in clipped[2:4]]
     assert max_diff(params(trainer), params(ref)) <= 1e-6
+
+
+# -- (e) reports are what happened ---------------------------------------------------------------
+
+def with_dropout(trainer, p=0.1):
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+    return trainer
+
+
+def test_an_evaluation_retry_leaves_the_training_as_a_run_without_the_oom(tmp_path):
+    runs = {}
+    for name, fail in (("oom", True), ("plain", False)):
+        with autofit.simulate_gpu("8MiB") as gpu:
+            trainer = with_dropout(make(tmp_path, name, save="no", eval_dataset=Rows(32, seed=1),
+                                        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=16,
+                                        callbacks=[FailAt(gpu, 2, when="end")] if fail else []))
+            runs[name] = (train(trainer), params(trainer))
+    assert [(e.per_device_eval_batch_size, e.outcome, e.global_step) for e in runs["oom"][0].eval_attempts] == [
+        (16, "oom", 2), (8, "ok", 2), (8, "ok", 4)]
+    # The retry's evaluation loader drew its seed from torch's generator as the first try did: steps 3
+    # and 4 draw the same dropout masks as without the OOM (before: 1.18e-3 apart).
+    assert max_diff(runs["oom"][1], runs["plain"][1]) == 0.0
+    assert runs["oom"][0].output.training_loss == runs["plain"][0].output.training_loss
+
+
+def test_the_training_peak_is_reported_whether_evaluation_runs_or_not(tmp_path):
+    peaks = {}
+    for name, extra in (("eval", dict(eval_dataset=Rows(8, seed=1), eval_strategy="steps", eval_steps=1,
+                                      per_device_eval_batch_size=2)), ("none", {})):
+        with autofit.simulate_gpu("8MiB"):
+            run = train(make(tmp_path, name, save="no", **extra))
+        peaks[name] = (run.attempts[0].peak_bytes, [e.peak_bytes for e in run.eval_attempts])
+    training, evaluations = peaks["eval"]
+    assert len(evaluations) == 4 and max(evaluations) < training  # each evaluation its own peak
+    assert training == peaks["none"][0]
+
+
+def test_after_a_resume_the_loss_and_the_log_cover_the_whole_run(tmp_path):
+    runs = {}
+    for name, fail in (("oom", True), ("plain", False)):
+        with autofit.simulate_gpu("8MiB") as gpu:
+            trainer = make(tmp_path, name, eval_dataset=Rows(16, seed=1), eval_strategy="steps", eval_steps=1,
+                           per_device_eval_batch_size=16, callbacks=[FailAt(gpu, 3)] if fail else [])
+            runs[name] = (train(trainer), trainer.state.log_history)
+    run, log = runs["oom"]
+    plain, plain_log = runs["plain"]
+    assert shape(run.attempts) == [(32, 1, "fp32", False, "oom", 3), (16, 2, "fp32", False, "ok", 4)]
+    assert "checkpoint-3" in run.attempts[1].reason
+    # The mean over all 4 steps, not over step 4 alone (the attempt that resumed trained only it):
+    # the two runs differ only in the fp32 summation order of step 4's micro-batches.
+    assert run.output.training_loss == pytest.approx(plain.output.training_loss, abs=1e-6)
+    assert run.output.metrics["train_loss"] == run.output.training_loss
+    assert [(e["step"], sorted(k for k in e if k.endswith("loss"))) for e in log] == \
+        [(e["step"], sorted(k for k in e if k.endswith("loss"))) for e in plain_log] == \
+        [(1, ["eval_loss"]), (2, ["eval_loss"]), (3, ["eval_loss"]), (4, ["eval_loss"]), (4, ["train_loss"])]
+    assert [e["eval_loss"] for e in log[:4]] == pytest.approx([e["eval_loss"] for e in plain_log[:4]], abs=1e-6)
+    assert log[-1]["train_loss"] == run.output.training_loss
+
+
+def test_does_not_fit_from_the_trainer_says_what_applies_to_the_trainer(tmp_path):
+    trainer = make(tmp_path, "bad")
+    with pytest.raises(autofit.DoesNotFit) as caught:
+        fit_trainer(trainer, budget="300KiB")  # parameters and gradients fit, AdamW's state does not
+    message = str(caught.value)
+    assert "parameters, gradients and AdamW state alone need 379.50 KiB of a 300.00 KiB budget" in message
+    assert ("use a smaller model or an optimizer with less state (the Trainer has no optimizer offload outside "
+            "DeepSpeed; TrainingArguments(optim='adafactor') keeps a factored second moment") in message
+    assert "offload the optimizer" not in message
+
+
+def test_the_refusal_of_auto_find_batch_size_says_what_the_trainer_does(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        train(make(tmp_path, "bad", auto_find_batch_size=True))
+    assert str(caught.value) == (
+        "TrainingArguments(auto_find_batch_size=True) multiplies per_device_train_batch_size by 0.9 after "
+        "each out-of-memory error (Accelerate's find_executable_batch_size) and keeps "
+        "gradient_accumulation_steps, so it changes the effective batch; set auto_find_batch_size=False and "
+        "let autofit keep it.")

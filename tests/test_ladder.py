@@ -3,6 +3,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from autofit.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
                             checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer)
@@ -55,7 +56,10 @@ def test_default_ladder_is_auto_by_default_and_a_plain_callable():
     assert ladder(P(8, 8)) == P(8, 8, "bf16")
     assert repr(ladder) == ("ShrinkMicroBatch(floor=8) | SetField(precision='bf16') | "
                             "SetField(checkpointing=True) | ShrinkMicroBatch(floor=1) | "
-                            "SetField(offload_optimizer=True)")
+                            "SetField(offload_optimizer=True); "
+                            "first after optimizer.step: SetField(per_parameter_step=True) | "
+                            "SetField(offload_optimizer=True); "
+                            "first after optimizer.state: SetField(offload_optimizer=True)")
 
 
 def test_default_ladder_without_bf16_uses_fp16():
@@ -381,3 +385,121 @@ def test_settle_proven_settles_each_length_at_its_own_size():
     log.settle_proven(P(1))
     assert log.fails == {("fp32", False, False): {100: 17, 400: 9}}
     assert [log.probe_up(P(n, 1), 64, length=m) for n, m in ((16, 100), (8, 400))] == [None, None]
+
+
+# -- moves are offers: a move that does not apply is skipped with its reason -----------------------
+
+class _TwoLayers(torch.nn.Module):
+    """An MLP without a ModuleList/Sequential: nothing to checkpoint block by block."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.out(x)
+
+
+def _shape(name):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "hugging face":
+        from models import bert_batch, tiny_bert
+        return tiny_bert(), bert_batch(rows=8, seq=8), None
+    model = {"bare Linear": lambda: torch.nn.Linear(8, 3), "MLP without ModuleList": _TwoLayers,
+             "ModuleList": _Blocks}[name]()
+    batch = (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+def _rows_limit(model, rows):
+    """An OOM whenever a forward sees more than `rows` rows (a budget, whatever the model's size)."""
+    def hook(module, args, kwargs):
+        first = next(t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor))
+        if first.shape[0] > rows:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 MiB ({first.shape[0]} rows)")
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("name,blocks", [("bare Linear", False), ("MLP without ModuleList", False),
+                                         ("ModuleList", True), ("hugging face", True)])
+def test_no_move_raises_whatever_the_model_shape(name, blocks):
+    """precision="fp32" and 8 rows that do not fit: checkpointing is offered only where it applies,
+    and the ladder goes on to micro-batches of 4 and 2 either way."""
+    import autofit
+    model, batch, loss_fn = _shape(name)
+    hook = _rows_limit(model, 2)
+    result = autofit.run(model, [batch], loss_fn=loss_fn, precision="fp32", cache=False, progress=False,
+                         capacity_check=False)
+    hook.remove()
+    tried = [(a.plan.micro_batch_size, a.plan.checkpointing, a.outcome) for a in result.attempts]
+    if blocks:
+        assert tried == [(8, False, "oom"), (8, True, "oom"), (4, True, "oom"), (2, True, "ok")]
+    else:
+        assert tried == [(8, False, "oom"), (4, False, "oom"), (2, False, "ok")]
+        assert result.attempts[1].reason == (
+            f"smaller micro-batch, more accumulation (not below 1) (SetField(checkpointing=True) "
+            f"skipped: activation checkpointing does not apply to {type(model).__name__}: it has no "
+            f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch)")
+        assert "skipped" not in result.attempts[2].reason  # said once
+    # Nothing autofit switched on stays on the model.
+    assert not any(getattr(m.forward, "__autofit_checkpoint__", False) for m in model.modules())
+    assert not getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))
+
+
+def test_offers_that_do_not_apply_name_their_reason():
+    from autofit.applies import not_applicable
+    from autofit.device import CpuDevice
+
+    class NoBf16(CpuDevice):
+        def supports_bf16(self):
+            return False
+
+    class Scaled(torch.optim.SGD):  # cannot be rebuilt from its defaults
+        def __init__(self, params, scale):
+            super().__init__(params, lr=0.1 * scale)
+
+    model = _TwoLayers()
+    adamw = torch.optim.AdamW(model.parameters(), foreach=True)
+    device = CpuDevice()
+    assert not_applicable(P(8), model, adamw, device) is None
+    assert not_applicable(P(8, precision="bf16"), model, adamw, NoBf16()) == "bf16 is not supported on cpu"
+    assert not_applicable(P(8, offload=True), model, Scaled(model.parameters(), 2), device) == (
+        "optimizer offload does not apply: Scaled needs scale to be rebuilt, which its defaults do not hold")
+    assert not_applicable(P(8, offload=True), model, torch.optim.LBFGS(model.parameters()),
+                          device) == "optimizer offload does not apply: LBFGS.step needs a closure"
+    assert not_applicable(P(8, offload=True), model, adamw, device) is None
+    assert not_applicable(P(8).replace(per_parameter_step=True), model, adamw, device) is None
+    assert not_applicable(P(8).replace(per_parameter_step=True), model,
+                          torch.optim.AdamW(model.parameters()), device) == (
+        "a per-parameter optimizer step does not apply: AdamW already updates one parameter at a "
+        "time (foreach off)")
+    assert not_applicable(P(8).replace(per_parameter_step=True), model,
+                          torch.optim.AdamW(model.parameters(), fused=True), device) == (
+        "a per-parameter optimizer step does not apply: AdamW is fused (one kernel per step, no "
+        "foreach temporaries)")
+    # A ladder of moves that do not apply: each skipped, the first that does is taken.
+    from autofit.ladder import step_down
+    ladder = Either(mixed_precision("bf16"), checkpointing(), ShrinkMicroBatch(SizeLog()))
+    new, why, skipped = step_down(ladder, P(8), applies=lambda plan: not_applicable(plan, model, adamw,
+                                                                                      NoBf16()))
+    assert new == P(4, 2)
+    assert [reason for _, reason in skipped] == [
+        "bf16 is not supported on cpu",
+        "activation checkpointing does not apply to _TwoLayers: it has no repeated blocks "
+        "(ModuleList/Sequential) and no Hugging Face switch"]

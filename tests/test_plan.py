@@ -9,9 +9,10 @@ from autofit.plan import PRECISIONS, Plan
 def test_defaults_and_fields():
     plan = Plan(micro_batch_size=8)
     assert (plan.micro_batch_size, plan.accumulation_steps, plan.precision, plan.checkpointing,
-            plan.offload_optimizer) == (8, 1, "fp32", False, False)
+            plan.offload_optimizer, plan.per_parameter_step) == (8, 1, "fp32", False, False, False)
     assert [f.name for f in dataclasses.fields(Plan)] == [
-        "micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer"]
+        "micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
+        "per_parameter_step"]
     assert PRECISIONS == ("fp32", "bf16", "fp16")
 
 
@@ -116,7 +117,7 @@ def test_dict_round_trip():
     plan = Plan(micro_batch_size=8, accumulation_steps=4, precision="fp16", offload_optimizer=True)
     data = plan.to_dict()
     assert data == {"micro_batch_size": 8, "accumulation_steps": 4, "precision": "fp16",
-                    "checkpointing": False, "offload_optimizer": True}
+                    "checkpointing": False, "offload_optimizer": True, "per_parameter_step": False}
     assert Plan.from_dict(data) == plan
     assert Plan.from_dict({"micro_batch_size": 2}) == Plan(micro_batch_size=2)
 
@@ -124,7 +125,7 @@ def test_dict_round_trip():
 def test_from_dict_refuses_unknown_fields_and_bad_values():
     with pytest.raises(ValueError, match=re.escape(
             "unknown Plan fields ['extra', 'micro']; expected ['accumulation_steps', 'checkpointing', "
-            "'micro_batch_size', 'offload_optimizer', 'precision'].")):
+            "'micro_batch_size', 'offload_optimizer', 'per_parameter_step', 'precision'].")):
         Plan.from_dict({"micro": 8, "extra": 1, "precision": "fp32"})
     with pytest.raises(ValueError, match="'fp8'"):
         Plan.from_dict({"micro_batch_size": 8, "precision": "fp8"})
@@ -143,3 +144,13 @@ def test_from_dict_refuses_unknown_fields_and_bad_values():
 ])
 def test_describe(plan, text):
     assert plan.describe() == text
+
+
+def test_a_per_parameter_step_is_shown_and_older_rows_without_it_still_load():
+    plan = Plan(8, 2, per_parameter_step=True)
+    assert plan.describe() == "micro 8 x 2, fp32, per-parameter step"
+    assert plan.to_dict()["per_parameter_step"] is True
+    assert Plan.from_dict(plan.to_dict()) == plan
+    older = {"micro_batch_size": 8, "accumulation_steps": 2, "precision": "bf16", "checkpointing": True,
+             "offload_optimizer": False}  # a cache row written before the field existed
+    assert Plan.from_dict(older) == Plan(8, 2, "bf16", True)

@@ -143,7 +143,8 @@ def test_budget_raises_the_real_out_of_memory_error():
         assert type(info.value) is torch.OutOfMemoryError
         assert str(info.value) == (
             "CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has a total capacity of 8.00 KiB of which "
-            "0 bytes is free. Of the allocated memory 8.00 KiB is allocated by PyTorch (simulated GPU).")
+            "0 bytes is free. Of the allocated memory 8.00 KiB is allocated by PyTorch (simulated GPU), and "
+            "1.99 MiB is reserved by PyTorch but unallocated.")  # 2 MiB small segment less 8 KiB
         assert is_oom(info.value)
         assert gpu.memory_allocated() == 8192 and gpu.max_memory_allocated() == 8192
         del info, b
@@ -157,7 +158,8 @@ def test_out_of_memory_message_says_what_was_asked_and_what_is_free():
         a = torch.zeros(1000)
         with pytest.raises(torch.OutOfMemoryError, match=re.escape(
                 "CUDA out of memory. Tried to allocate 8.00 KiB. GPU 0 has a total capacity of 9.77 KiB of which "
-                "5.77 KiB is free. Of the allocated memory 4.00 KiB is allocated by PyTorch (simulated GPU).")):
+                "5.77 KiB is free. Of the allocated memory 4.00 KiB is allocated by PyTorch (simulated GPU), and "
+                "2.00 MiB is reserved by PyTorch but unallocated.")):
             torch.zeros(2000)               # 8000 bytes, rounded to 8192: the rounded size is asked
         del a
     assert gpu.memory_allocated() == 0
@@ -194,7 +196,7 @@ def test_fail_at_fails_exactly_that_allocation_once():
         assert str(info.value) == (
             "CUDA out of memory. Tried to allocate 4.00 KiB. GPU 0 has a total capacity of unlimited of which "
             "unlimited is free. Of the allocated memory 1.00 KiB is allocated by PyTorch (simulated GPU) "
-            "(injected fault).")
+            "(injected fault), and 2.00 MiB is reserved by PyTorch but unallocated.")
         assert not gpu.fault_armed and gpu.allocation_count == 3
         assert gpu.memory_allocated() == 1024         # the failed allocation is not counted
         kept.append(torch.zeros(1000))                # allocation 3: the fault fired once only

@@ -156,3 +156,11 @@ def test_a_loss_fn_over_a_plain_model_counts_labels_or_rows():
     rows = {"x": torch.zeros(4, 3)}
     weighting = loss_weighting(Plain(), rows, lambda m, b, num_items_in_batch: 0, CpuDevice())
     assert weighting.items(rows) == {"num_items_in_batch": 4}
+
+
+def test_evaluation_counts_the_labels_of_a_wrapped_causal_lm_shifted():
+    from autofit.batches import token_counter
+    batch = gpt2_batch(rows=4, seq=8)
+    batch["labels"] = batch["input_ids"].clone()
+    assert token_counter(Compiled(tiny_gpt2()))(batch) == 4 * 7
+    assert token_counter(torch.nn.DataParallel(tiny_gpt2()))(batch) == 4 * 7

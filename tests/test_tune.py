@@ -23,6 +23,7 @@ from reference import second_step_peak
 tune_module = importlib.import_module("autofit.tuning")
 throughput = importlib.import_module("autofit.throughput")
 tune = tune_module.tune
+verdict = importlib.import_module("autofit.verdict").verdict
 
 ROWS = 16
 # The plans for tiny_bert, global batch 16 x 16, on a budget where fp32 fits micro-batch 8 but not 16
@@ -96,7 +97,7 @@ def test_every_plan_once_in_order_fastest_cached_and_run_starts_from_it(tiny_ber
     untouched = copy.deepcopy(tiny_bert)
     before = state_of(tiny_bert)
     clock = Clock(durations=[4, 4, 2, 4, 4, 4])  # micro 4 x 4, fp32 is twice as fast as the rest
-    result = tune(tiny_bert, data, budget=budget(), steps=1, warmup=1, clock=clock,
+    result = tune(tiny_bert, data, budget=budget(), steps=1, warmup=1, rounds=1, clock=clock,
                   optimizer=clock.optimizer)
 
     assert described(result.space) == SPACE
@@ -138,7 +139,8 @@ def test_a_plan_that_runs_out_of_memory_is_pruned_after_its_memory_is_freed(tiny
     with autofit.simulate_gpu(budget()) as gpu:
         gpu.track(list(tiny_bert.parameters()) + list(tiny_bert.buffers()))
         baseline = gpu.memory_allocated()
-        result = tune(tiny_bert, batches(), budget=budget(), optimizer=optimizer, steps=1, clock=Clock())
+        result = tune(tiny_bert, batches(), budget=budget(), optimizer=optimizer, steps=1, rounds=1,
+                      clock=Clock())
         assert gpu.memory_allocated() == baseline  # no trial's memory, no optimizer state left
     assert optimizer.state == {}
 
@@ -198,17 +200,17 @@ def test_a_plan_that_ever_ran_out_of_memory_never_wins():
     fast, slow = Plan(8, 2), Plan(4, 4)
     trials = [TuneTrial(0, fast, "ok", 100.0), TuneTrial(1, slow, "ok", 50.0), TuneTrial(2, fast, "oom", None),
               TuneTrial(3, slow, "ok", 70.0)]
-    result = tune_module._result(trials, fast, [fast, slow], 4, "s", "memory", "k")
+    result = verdict(trials, fast, [fast, slow], 4, "s", "memory", "k")
     assert (result.plan, result.samples_per_second, result.default_samples_per_second) == (slow, 60.0, None)
     with pytest.raises(autofit.DoesNotFit, match="1 plan.s. are not measured yet: run tune again"):
-        tune_module._result(trials[2:3], fast, [fast, slow], 1, "s", "memory", "k")
+        verdict(trials[2:3], fast, [fast, slow], 1, "s", "memory", "k")
 
 
 @pytest.mark.parametrize("challenger, winner", [(103.0, "default"), (103.5, "challenger")])
 def test_the_default_plan_stays_unless_another_is_more_than_3_percent_faster(challenger, winner):
     default, other = Plan(8, 2), Plan(4, 4)
     trials = [TuneTrial(0, default, "ok", 100.0), TuneTrial(1, other, "ok", challenger)]
-    result = tune_module._result(trials, default, [default, other], 2, "s", "memory", "k")
+    result = verdict(trials, default, [default, other], 2, "s", "memory", "k")
     assert result.plan == {"default": default, "challenger": other}[winner]
 
 
@@ -243,11 +245,11 @@ def test_the_users_model_optimizer_gradients_and_rng_are_untouched(tiny_bert):
 
 def test_the_study_lives_in_the_plan_cache_file_and_resumes_without_measuring_twice(tiny_bert):
     data = batches()
-    first = tune(tiny_bert, data, budget=budget(), n_trials=2, steps=1, clock=Clock())
+    first = tune(tiny_bert, data, budget=budget(), n_trials=2, steps=1, rounds=1, clock=Clock())
     assert (first.measured, described(t.plan for t in first.trials)) == (2, SPACE[:2])
-    rest = tune(tiny_bert, data, budget=budget(), n_trials=50, steps=1, clock=Clock())
+    rest = tune(tiny_bert, data, budget=budget(), n_trials=50, steps=1, rounds=1, clock=Clock())
     assert (rest.measured, described(t.plan for t in rest.trials)) == (len(SPACE) - 2, SPACE)
-    again = tune(tiny_bert, data, budget=budget(), steps=1, clock=Clock())
+    again = tune(tiny_bert, data, budget=budget(), steps=1, rounds=1, clock=Clock())
     assert (again.measured, again.trials, again.plan) == (0, rest.trials, rest.plan)
 
     path = PlanCache().path
@@ -264,9 +266,10 @@ def test_the_study_lives_in_the_plan_cache_file_and_resumes_without_measuring_tw
 
 def test_a_storage_given_is_shared_by_machines_tuning_the_same_job(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    one = tune(tiny_bert(), batches(), budget=budget(), storage=url, n_trials=3, steps=1, clock=Clock())
+    one = tune(tiny_bert(), batches(), budget=budget(), storage=url, n_trials=3, steps=1, rounds=1,
+               clock=Clock())
     monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "other-machine"))
-    two = tune(tiny_bert(), batches(), budget=budget(), storage=url, steps=1, clock=Clock())
+    two = tune(tiny_bert(), batches(), budget=budget(), storage=url, steps=1, rounds=1, clock=Clock())
 
     assert one.study_name == two.study_name == "autofit-" + one.key and one.key == two.key
     assert (one.storage, one.measured, two.measured) == (url, 3, len(SPACE) - 3)
@@ -286,7 +289,11 @@ def test_without_the_cache_nothing_is_written(tiny_bert):
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    (dict(n_trials=0), ValueError, "n_trials must be a positive int, or None to measure every plan once, but got 0."),
+    (dict(n_trials=0), ValueError, "n_trials must be a positive int, or None to run every trial of the "
+                                   "measurement, but got 0."),
+    (dict(rounds=0), ValueError, "rounds must be a positive int (every plan measured once per round; 5 by "
+                                 "default) but got 0."),
+    (dict(retune="yes"), TypeError, "retune must be True (measure again) or False but got 'yes'."),
     (dict(n_trials=-2), ValueError, "but got -2."),
     (dict(n_trials=True), ValueError, "but got True."),
     (dict(steps=0), ValueError, "steps must be a positive int (global batches timed per trial) but got 0."),
@@ -339,6 +346,138 @@ def test_run_options_are_checked_before_any_work(option, error, words):
 def test_run_with_tune_starts_from_the_fastest_measured_plan(tiny_bert):
     data = batches()
     result = autofit.run(tiny_bert, data, budget=budget(), progress=False,
-                         tune={"steps": 1, "clock": Clock(durations=[4, 4, 2, 4, 4, 4])})
+                         tune={"steps": 1, "rounds": 1, "clock": Clock(durations=[4, 4, 2, 4, 4, 4])})
     assert [(a.plan, a.outcome) for a in result.attempts] == [(Plan(4, 4, "fp32"), "ok")] * 2
     assert result.attempts[0].reason.startswith("tuned")
+
+
+# -- rounds: interleaved, median and spread, a lead larger than the spread -------------------------
+
+FP32 = ["micro 8 x 2, fp32", "micro 4 x 4, fp32", "micro 2 x 8, fp32"]  # the space with precision="fp32"
+
+
+def seconds_for(order, per_plan) -> list:
+    """Clock durations for trials measured in `order` ([(round, plan text)]): `per_plan[plan][round]`."""
+    return [per_plan[plan][round_] for round_, plan in order]
+
+
+def test_rounds_interleave_every_plan_once_per_round_the_order_rotated(tiny_bert):
+    order = [(0, FP32[0]), (0, FP32[1]), (0, FP32[2]), (1, FP32[1]), (1, FP32[2]), (1, FP32[0]),
+             (2, FP32[2]), (2, FP32[0]), (2, FP32[1])]
+    # 16 rows a step: 4 s is 4 samples/s. The default's round 1 stalls (32 s: 0.5 samples/s) and
+    # micro 4 x 4 is fast in one round only: neither a stall nor one lucky round decides.
+    per_plan = {FP32[0]: [4, 32, 4], FP32[1]: [2, 4, 4], FP32[2]: [4, 8, 16]}
+    clock = Clock(durations=seconds_for(order, per_plan))
+    result = tune(tiny_bert, batches(), budget=budget(), precision="fp32", steps=1, rounds=3, clock=clock,
+                  optimizer=clock.optimizer)
+
+    assert [(t.round, t.plan.describe()) for t in result.trials] == order
+    assert clock.at == [n for trial in range(9) for n in (2 * trial + 1, 2 * trial + 2)]
+    stats = [(s.plan.describe(), s.outcome, s.rounds, s.median, s.spread) for s in result.stats]
+    assert stats == [(FP32[0], "ok", (4.0, 0.5, 4.0), 4.0, 0.0),
+                     (FP32[1], "ok", (8.0, 4.0, 4.0), 4.0, 0.0),
+                     (FP32[2], "ok", (4.0, 2.0, 1.0), 2.0, 1.0)]
+    # The mean of rounds would crown micro 4 x 4 (5.33 against 2.83 samples/s); the medians tie.
+    assert (result.plan, result.samples_per_second, result.speedup) == (Plan(8, 2), 4.0, 1.0)
+    assert result.reason == "the default plan has the highest median"
+    assert PlanCache().get(result.key)["plan"] == Plan(8, 2).to_dict()
+
+
+@pytest.mark.parametrize("rounds, winner, reason", [
+    # default 100 +/- 2, the other 110 +/- 4: a 10% lead, larger than both spreads.
+    ([[98, 100, 102], [106, 110, 114]], "other",
+     "micro 4 x 4, fp32 leads by 10.0%, the larger spread of the two is 4.0%: a lead larger than the spread"),
+    # the same medians, the other's rounds spread by 12: the lead is within the noise.
+    ([[98, 100, 102], [98, 110, 122]], "default",
+     "kept the default plan: micro 4 x 4, fp32 leads by 10.0%, the larger spread of the two is 12.0%, "
+     "within the noise (or under 3%)"),
+    # the default's own spread is as large as the lead.
+    ([[90, 100, 110], [110, 110, 110]], "default",
+     "kept the default plan: micro 4 x 4, fp32 leads by 10.0%, the larger spread of the two is 10.0%, "
+     "within the noise (or under 3%)"),
+])
+def test_a_plan_wins_only_when_its_lead_is_larger_than_the_spread(rounds, winner, reason):
+    default, other = Plan(8, 2), Plan(4, 4)
+    trials = [TuneTrial(i, plan, "ok", float(v), round=r)
+              for i, (r, plan, v) in enumerate((r, plan, values[r]) for r in range(3)
+                                               for plan, values in zip((default, other), rounds))]
+    result = verdict(trials, default, [default, other], 6, "s", "memory", "k")
+    assert result.plan == {"default": default, "other": other}[winner]
+    assert result.reason == reason
+    assert result.default_samples_per_second == 100.0
+
+
+def test_describe_shows_each_plans_median_spread_and_range():
+    default, other = Plan(8, 2), Plan(4, 4)
+    trials = [TuneTrial(0, default, "ok", 100.0, round=0), TuneTrial(1, other, "ok", 120.0, round=0),
+              TuneTrial(2, other, "ok", 124.0, round=1), TuneTrial(3, default, "ok", 98.0, round=1),
+              TuneTrial(4, default, "ok", 102.0, round=2), TuneTrial(5, other, "ok", 116.0, round=2),
+              TuneTrial(6, Plan(2, 8), "oom", None, round=0)]
+    result = verdict(trials, default, [default, other, Plan(2, 8)], 7, "s", "memory", "k")
+    assert result.describe().splitlines() == [
+        "   plan               outcome  rounds ok  median samples/s  spread  range        default",
+        "-  -----------------  -------  ---------  ----------------  ------  -----------  -------",
+        "   micro 8 x 2, fp32  ok               3  100.0             2.0%    98.0-102.0   yes",
+        "*  micro 4 x 4, fp32  ok               3  120.0             3.3%    116.0-124.0",
+        "   micro 2 x 8, fp32  oom              0  -                 -       -",
+        "chosen: micro 4 x 4, fp32, 120.0 samples/s +/- 3.3% (median of rounds), 1.20x the default plan's "
+        "(micro 8 x 2, fp32); micro 4 x 4, fp32 leads by 20.0%, the larger spread of the two is 4.0%: "
+        "a lead larger than the spread"]
+
+
+def test_retune_measures_a_stored_study_again_and_reads_the_new_measurement(tiny_bert):
+    data = batches()
+    first = tune(tiny_bert, data, budget=budget(), precision="fp32", steps=1, rounds=1,
+                 clock=Clock(durations=[4, 2, 4]))
+    assert (first.plan, first.measurement, first.measured) == (Plan(4, 4), 0, 3)
+    again = tune(tiny_bert, data, budget=budget(), precision="fp32", steps=1, rounds=1, clock=Clock())
+    assert (again.plan, again.measurement, again.measured) == (Plan(4, 4), 0, 0)  # nothing measured
+
+    clock = Clock(durations=[4, 4, 2, 4, 2, 4])  # now micro 2 x 8 is twice as fast, in both rounds
+    retuned = tune(tiny_bert, data, budget=budget(), precision="fp32", steps=1, rounds=2, retune=True,
+                   clock=clock)
+    assert (retuned.measurement, retuned.measured) == (1, 6)
+    assert [(t.round, t.plan.describe()) for t in retuned.trials] == \
+        [(0, FP32[0]), (0, FP32[1]), (0, FP32[2]), (1, FP32[1]), (1, FP32[2]), (1, FP32[0])]
+    assert [s.rounds for s in retuned.stats] == [(4.0, 4.0), (4.0, 4.0), (8.0, 8.0)]
+    assert (retuned.plan, retuned.speedup) == (Plan(2, 8), 2.0)
+    assert PlanCache().get(retuned.key)["plan"] == Plan(2, 8).to_dict()
+    study = optuna.load_study(study_name=retuned.study_name, storage=cache_url())
+    assert [t.user_attrs["autofit_round"] for t in study.trials] == \
+        [[0, 0]] * 3 + [[1, 0]] * 3 + [[1, 1]] * 3
+
+
+def test_a_plan_out_of_memory_in_one_round_is_not_measured_again(tiny_bert, monkeypatch):
+    real = throughput.estimated_start
+
+    def optimistic(model, batch, *args):  # the estimator "thinks" the whole batch fits
+        real(model, batch, *args)
+        return Plan(ROWS), "estimated (patched)"
+    monkeypatch.setattr(throughput, "estimated_start", optimistic)
+    calls = []
+    monkeypatch.setattr(tune_module, "measure", lambda model, opt, device, plan, *a, **k: (
+        calls.append(plan.describe()), real_measure(model, opt, device, plan, *a, **k))[1])
+    real_measure = throughput.measure
+    result = tune(tiny_bert, batches(), budget=budget(), precision="fp32", steps=1, rounds=2, clock=Clock())
+    # The space: 16 (the patched default), 8 and 4 rows; round 1 is 8, 4, then 16, pruned unmeasured.
+    assert calls == ["micro 16 x 1, fp32", "micro 8 x 2, fp32", "micro 4 x 4, fp32",
+                     "micro 8 x 2, fp32", "micro 4 x 4, fp32"]
+    assert [(t.round, t.plan.micro_batch_size, t.outcome) for t in result.trials] == \
+        [(0, 16, "oom"), (0, 8, "ok"), (0, 4, "ok"), (1, 8, "ok"), (1, 4, "ok"), (1, 16, "oom")]
+    assert result.plan == Plan(8, 2) and result.stats[0].outcome == "oom"
+
+
+def test_between_plans_the_noise_cannot_tell_apart_the_earlier_in_the_space_wins():
+    default, second, third = Plan(16, 1), Plan(8, 2), Plan(4, 4)
+    values = {default: [50, 52, 48], second: [100, 90, 110], third: [104, 112, 96]}
+    trials = [TuneTrial(3 * r + i, plan, "ok", float(values[plan][r]), round=r)
+              for r in range(3) for i, plan in enumerate((default, second, third))]
+    result = verdict(trials, default, [default, second, third], 9, "s", "memory", "k")
+    # micro 4 x 4 has the highest median (104), 4% above micro 8 x 2's, inside both spreads (10, 8).
+    assert (result.plan, result.samples_per_second, result.speedup) == (second, 100.0, 2.0)
+    assert result.reason == ("micro 8 x 2, fp32 comes first in the cost model's order and micro 4 x 4, fp32 "
+                             "leads by 4.0%, the larger spread of the two is 10.0%, within the noise (or under 3%)")
+    values[third] = [112, 115, 118]  # now 15% above, more than either spread (10, 3)
+    trials = [TuneTrial(3 * r + i, plan, "ok", float(values[plan][r]), round=r)
+              for r in range(3) for i, plan in enumerate((default, second, third))]
+    assert verdict(trials, default, [default, second, third], 9, "s", "memory", "k").plan == third

@@ -34,8 +34,7 @@ class Start:
             self.weights = None if trainer.model_init is not None else _host(trainer.model.state_dict())
             self.optimizer = None if opt is None else _host(raw_optimizer(opt).state_dict())
             self.scheduler = None if sched is None or self.owns_optimizer else _host(sched.state_dict())
-        self.rng = (random.getstate(), _numpy_state(), torch.get_rng_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.rng = rng_state()
 
     def restore(self) -> None:
         trainer = self.trainer
@@ -45,14 +44,24 @@ class Start:
             raw_optimizer(trainer.optimizer).load_state_dict(_host(self.optimizer))
         if self.scheduler is not None:
             trainer.lr_scheduler.load_state_dict(_host(self.scheduler))
-        py, np_state, cpu, cuda = self.rng
-        random.setstate(py)
-        if np_state is not None:
-            import numpy
-            numpy.random.set_state(np_state)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_state(self.rng)
+
+
+def rng_state() -> tuple:
+    """The global random generators the Trainer draws from: Python's, numpy's, torch's (CPU, CUDA)."""
+    return (random.getstate(), _numpy_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(state: tuple) -> None:
+    py, np_state, cpu, cuda = state
+    random.setstate(py)
+    if np_state is not None:
+        import numpy
+        numpy.random.set_state(np_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _host(obj):
@@ -115,8 +124,18 @@ def resumable_checkpoints(args) -> bool:
     return str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model
 
 
-def tracker(device):
-    """A TrainerCallback recording the checkpoints this call saved (`latest()`) and, on a
+def _loss_so_far(trainer) -> float | None:
+    """The sum of the step losses the current `trainer.train()` call has trained (the Trainer's
+    own running total, as it divides it for `training_loss`); None when this Trainer keeps none."""
+    total, pending = getattr(trainer, "_total_loss_scalar", None), getattr(trainer, "_tr_loss", None)
+    if total is None or pending is None:
+        return None
+    return total + (pending.item() if isinstance(pending, torch.Tensor) else float(pending))
+
+
+def tracker(device, trainer):
+    """A TrainerCallback recording the checkpoints this call saved (`latest()`) with the sum of the
+    step losses trained up to each (`whole_run_loss()` reports the run across resumes) and, on a
     simulated GPU, counting the tensors a resume loads from disk (torch.load is no dispatched op)."""
     from transformers import TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -124,11 +143,32 @@ def tracker(device):
     class _Tracker(TrainerCallback):
         def __init__(self):
             self.saved: list[str] = []
+            self.losses: dict[str, float | None] = {}  # checkpoint -> loss sum of the run up to it
+            self.carried: float | None = 0.0  # loss sum of the run before the current attempt's start
+            self.first_step = None             # the global step the run started from
+
+        def resume_from(self, checkpoint: str | None) -> None:
+            """The next attempt starts from `checkpoint` (one this call saved), or from the start."""
+            self.carried = self.losses.get(checkpoint) if checkpoint is not None else 0.0
 
         def on_save(self, args, state, control, **kwargs):
-            self.saved.append(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+            path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            self.saved.append(path)
+            own = _loss_so_far(trainer)
+            self.losses[path] = None if own is None or self.carried is None else self.carried + own
+
+        def whole_run_loss(self, output):
+            """`output.training_loss` over every step of the run (the Trainer's own covers only
+            the steps of the attempt that finished, which may have resumed from a checkpoint)."""
+            own = getattr(trainer, "_total_loss_scalar", None)  # the finished call added its rest
+            steps = output.global_step - (self.first_step or 0)
+            if own is None or self.carried is None or steps <= 0:
+                return output.training_loss
+            return (self.carried + own) / steps
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if self.first_step is None:
+                self.first_step = state.global_step
             gpu = getattr(device, "gpu", None)
             if gpu is None:
                 return
@@ -181,7 +221,13 @@ class EvalGuard:
     """Replaces `trainer.evaluate` (on the instance, until `remove()`) by one that halves only
     `per_device_eval_batch_size` after an out-of-memory error and evaluates again; the training
     batch is never touched. Works for evaluations inside `trainer.train()` too (they call
-    `self.evaluate`)."""
+    `self.evaluate`).
+
+    What a retry leaves behind is what one evaluation would have: each retry starts from the
+    global random generators as the first try found them (the evaluation DataLoader's iterator
+    draws its seed from torch's), so the training after it draws the same dropout masks as a run
+    without the OOM. The device's peak counter is reset for each evaluation (its own peak); the
+    peak of the training around the evaluations is kept in `training_peak()`."""
 
     def __init__(self, trainer, device, attempts: list):
         from transformers import TrainerCallback
@@ -191,6 +237,7 @@ class EvalGuard:
         self.original = trainer.evaluate
         self.reason = "as the TrainingArguments give it"
         self.done = 0  # evaluation batches completed in the current attempt
+        self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
 
         guard = self
 
@@ -208,11 +255,25 @@ class EvalGuard:
         else:
             self.trainer.evaluate = self.previous
 
+    def begin_training(self) -> None:
+        """A training attempt starts: its peak is counted from now (the caller reset the device's)."""
+        self.outside_peak = 0
+
+    def training_peak(self) -> int:
+        """The training attempt's peak so far, evaluations left out."""
+        return max(self.outside_peak, self.device.max_memory_allocated())
+
     def evaluate(self, *args, **kwargs):
         targs = self.trainer.args
+        self.outside_peak = self.training_peak()
+        rng = rng_state()  # every retry starts from it
+        tries = 0
         while True:
             size, failure = targs.per_device_eval_batch_size, None
             self.done = 0
+            if tries:
+                set_rng_state(rng)
+            tries += 1
             self.device.reset_peak_memory_stats()
             try:
                 metrics = self.original(*args, **kwargs)
@@ -224,6 +285,7 @@ class EvalGuard:
             if failure is None:
                 self.attempts.append(EvalAttempt(size, "ok", step, self.reason, peak_bytes=peak))
                 self.reason = "kept: the evaluation batch that worked"
+                self.device.reset_peak_memory_stats()  # the training after it counts from here
                 return metrics
             # Out of the except block: the evaluation's frames and tensors are gone.
             self.attempts.append(EvalAttempt(size, "oom", step, self.reason, failure, self.done, peak))

@@ -30,6 +30,10 @@ from ..start import MARGIN, cannot_estimate
 from ..step import NoLossError
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
+# What the Trainer path offers instead of optimizer offload (it has none outside DeepSpeed, which
+# autofit does not plan for).
+NO_OFFLOAD = ("the Trainer has no optimizer offload outside DeepSpeed; TrainingArguments(optim="
+              "'adafactor') keeps a factored second moment instead of AdamW's two full moments")
 
 
 # -- reading the Trainer ------------------------------------------------------------------------
@@ -176,7 +180,8 @@ def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
             f"no plan fits {rows} rows per device per optimizer step (per_device_train_batch_size="
             f"{args.per_device_train_batch_size} x gradient_accumulation_steps="
             f"{args.gradient_accumulation_steps}, effective batch {rows * devices(args)}) on "
-            f"{device.describe()}, checked before training: {needs_message(candidates, budget, margin=MARGIN)} "
+            f"{device.describe()}, checked before training: "
+            f"{needs_message(candidates, budget, margin=MARGIN, no_offload=NO_OFFLOAD)} "
             f"autofit keeps the effective batch: lower it in the TrainingArguments, or give a larger budget.",
             budget=budget, breakdown=_leanest(candidates).estimate.breakdown if candidates else None,
             plan=_leanest(candidates).plan if candidates else None)

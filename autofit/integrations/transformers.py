@@ -43,7 +43,11 @@ Decisions, with their reasons:
   that with a two-row forward and sets `trainer.model_accepts_loss_kwargs = False`, so every split
   of the effective batch trains on the same gradient (`TrainerPlan.notes` says so).
 - Evaluation: an OOM in `trainer.evaluate()`, inside training or not, halves only
-  `per_device_eval_batch_size` and evaluates again; the training batch never changes.
+  `per_device_eval_batch_size` and evaluates again from the random generators the first try found;
+  the training batch never changes.
+- Reports cover the whole run: after a resume, `output.training_loss` (and the log's "train_loss")
+  average every step of the run (the Trainer's own covers the resumed attempt only);
+  `Attempt.peak_bytes` is the training's peak, evaluations left out.
 - Budget: as in autofit.run. On a machine without CUDA a budget runs the Trainer on a simulated GPU
   (the model's tensors are counted; so are the optimizer state and batches the Trainer makes, and
   the optimizer state a resume loads). `train` refuses world size > 1 (an OOM on one rank would
@@ -145,8 +149,10 @@ def _check(trainer, precision: str, training: bool = False, train_kwargs=None) -
                          "plans one full copy per device. Drop deepspeed/fsdp from the TrainingArguments or "
                          "leave the batch to them.")
     if args.auto_find_batch_size:
-        raise ValueError("TrainingArguments(auto_find_batch_size=True) halves the batch on OOM and so changes "
-                         "the effective batch; set auto_find_batch_size=False and let autofit keep it.")
+        raise ValueError("TrainingArguments(auto_find_batch_size=True) multiplies per_device_train_batch_size "
+                         "by 0.9 after each out-of-memory error (Accelerate's find_executable_batch_size) and "
+                         "keeps gradient_accumulation_steps, so it changes the effective batch; set "
+                         "auto_find_batch_size=False and let autofit keep it.")
     if training:
         if args.world_size > 1:
             raise ValueError(f"train() runs one process, but world_size is {args.world_size}: an OOM on one "
@@ -236,22 +242,35 @@ def train(trainer, budget=None, precision: str = "auto", **train_kwargs) -> Trai
         rows, policy = hf.rows_per_step(trainer.args), _policy(trainer.args, precision)
         ladder = _ladder(trainer, rows, policy, device.supports_bf16())
         start = recovery.Start(trainer, device) if origin is None else None
-        saves = recovery.tracker(device)
+        saves = recovery.tracker(device, trainer)
         trainer.add_callback(saves)
         eval_attempts: list = []
         guard = recovery.EvalGuard(trainer, device, eval_attempts)
         try:
             output, plan, attempts = _attempts(trainer, device, fitted, ladder, start, saves, origin,
-                                               train_kwargs)
+                                               train_kwargs, guard)
         finally:
             guard.remove()
             trainer.remove_callback(saves)
     final = TrainerPlan(plan, fitted.devices, attempts[-1].reason, fitted.budget, fitted.predicted_peak,
                         fitted.notes)
-    return TrainerRun(output, final, attempts, eval_attempts)
+    return TrainerRun(_whole_run(trainer, output, saves), final, attempts, eval_attempts)
 
 
-def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwargs):
+def _whole_run(trainer, output, saves):
+    """The TrainOutput (and the log's last "train_loss") with the loss averaged over every step of
+    the run, not only those of the attempt that finished after a resume."""
+    loss = saves.whole_run_loss(output)
+    if loss == output.training_loss:
+        return output
+    for entry in reversed(trainer.state.log_history):
+        if "train_loss" in entry:
+            entry["train_loss"] = loss
+            break
+    return output._replace(training_loss=loss, metrics={**output.metrics, "train_loss": loss})
+
+
+def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwargs, guard):
     plan, reason, checkpoint = fitted.plan, fitted.reason, origin
     owns_optimizer = start.owns_optimizer if start is not None else trainer.optimizer is None
     resumable = recovery.resumable_checkpoints(trainer.args)
@@ -260,6 +279,7 @@ def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwarg
     baseline = device.memory_allocated()
     while True:
         device.reset_peak_memory_stats()
+        guard.begin_training()
         failure = None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint, **train_kwargs)
@@ -270,7 +290,7 @@ def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwarg
             failure = (summarize(error), by_kind(device, trainer.model, optimizer))
             del optimizer
         step = trainer.state.global_step
-        peak = device.max_memory_allocated()
+        peak = guard.training_peak()
         if failure is None:
             attempts.append(Attempt(plan, "ok", reason, peak, step))
             return output, plan, attempts
@@ -293,6 +313,7 @@ def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwarg
                              attempts=attempts, breakdown=memory, budget=device.budget)
         seen.add(plan)
         checkpoint = saves.latest() if resumable else None
+        saves.resume_from(checkpoint)
         if checkpoint is not None:
             where = f"resumed from {checkpoint}"
         elif origin is not None:
