@@ -22,7 +22,7 @@ import logging
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .ladder import (Either, Move, ShrinkMicroBatch, checkpointing, default_ladder, mixed_precision,
+from .ladder import (ByPhase, Either, Move, ShrinkMicroBatch, checkpointing, default_ladder, mixed_precision,
                      offload_optimizer, phased)
 
 log = logging.getLogger("autofit")
@@ -70,6 +70,8 @@ class _KeepWhole(Move):
 
 
 def keep_whole(move: Move) -> Move:
+    if isinstance(move, ByPhase):  # each phase's moves filtered too, their order kept
+        return ByPhase(keep_whole(move.general), {p: keep_whole(m) for p, m in move.first.items()})
     if isinstance(move, Either):
         return Either(*(_KeepWhole(m) for m in move.moves))
     return _KeepWhole(move)

@@ -6,6 +6,12 @@ from .memory import format_breakdown
 from .sizes import format_size
 
 
+def one_line(error: BaseException) -> str:
+    """'Type: first line of the message' (torch's messages run to many lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 class DoesNotFit(RuntimeError):
     """No plan of the ladder fits the budget. Carries every attempt and the last breakdown."""
 

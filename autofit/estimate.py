@@ -58,6 +58,7 @@ from .batches import batch_size, slice_batch
 from .cuda_numerics import numerics_as_on_cuda
 from .data_dependent import Hints, silenced_torch_logs, upper_bound
 from .device import SimulatedDevice, _map_tensors
+from .errors import one_line
 from .fakes import check_optimizer, fake_like, fake_model, fake_optimizer, on_device_state, warm
 from .memory import KINDS, format_breakdown, storage_bytes
 from .plan import Plan
@@ -255,8 +256,8 @@ class Estimator:
             error.add_note(f"measuring it on real rows failed too: {type(sample_error).__name__}: "
                            f"{sample_error}")
             raise error from None
-        log.info("estimator: fake tensors cannot follow %s (%s: %s); measuring it on 1 and 2 real rows",
-                 type(model).__name__, type(error).__name__, (str(error).strip().splitlines() or [""])[0])
+        log.info("estimator: fake tensors cannot follow %s (%s); measuring it on 1 and 2 real rows",
+                 type(model).__name__, one_line(error))
         self.model, self.resident = self._sampled.model, self._sampled.resident
         self.optimizer_name = self._sampled.optimizer_name
 

@@ -124,6 +124,7 @@ class EvalResult:
     batch_size: int             # the evaluation batch that worked (most rows in one forward at the end)
     attempts: list = field(default_factory=list)   # list[EvalAttempt]
     metrics: dict = field(default_factory=dict)    # name -> sample-weighted mean of metric_fn values
+    weight: float = 0.0         # what the loss is a mean over: rows, or label tokens (to combine ranks')
 
     def record(self, epoch: int) -> dict:
         """The entry autofit.run appends to `result.eval_history`."""
@@ -192,7 +193,7 @@ class _Evaluator:
                              "loss; check the labels.")
         metrics = {k: v / self.samples for k, v in self.metric_sums.items()}
         return EvalResult(self.loss_sum / self.weight_sum, self.samples, self.final_rows,
-                          self.attempts, metrics)
+                          self.attempts, metrics, self.weight_sum)
 
     def evaluate_unit(self, index: int, first_sample: int, unit, rows: int) -> None:
         pos = 0

@@ -47,9 +47,10 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     under fp16, after the all-reduce under DDP) before each optimizer step; each history entry's
     "grad_norm" is its norm before clipping (None without clipping).
 
-    Under torch.distributed (e.g. torchrun) every rank calls `run` with the same data: DDP runs the
-    model, each rank trains its share of every global batch, and all ranks keep the same plan
-    (see autofit.distributed).
+    Under torch.distributed (e.g. torchrun) every rank calls `run`, each with its own share of the
+    data (a DataLoader with a DistributedSampler; autofit calls its set_epoch each epoch) or all
+    with the same global batches; each rank trains its share of every global batch, and all ranks
+    keep the same plan (see autofit.distributed).
 
     `allow_split=False` never splits a global batch into micro-batches (what a model with
     BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
@@ -62,18 +63,24 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
         tune_options = run_options(tune)
     check_training_options(model=model, precision=precision, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
     check_optimizer(optimizer)
-    first, epoch_batches = global_batches(data, batch_size, epochs)
-    rows_of(first)  # raises on a batch that cannot be split
+    # The lockstep opens here, before the data is read: every failure after this is announced.
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
                         progress=progress, capacity_check=capacity_check, allow_split=allow_split)
+    with training.lockstep.scope():
+        return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
+                    eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
+                    tune_options=tune_options)
+
+
+def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,
+         tune_options):
+    first, epoch_batches = global_batches(data, batch_size, epochs)
+    rows_of(first)  # raises on a batch that cannot be split
     progress = training.progress
     if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
-    if batch_size is not None:
-        training.lockstep.check_dataset(len(data), batch_size)
-    training.rows(first)  # a global batch that cannot be split over the ranks fails now
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
 
@@ -84,7 +91,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
                                  optimizer=training.optimizer, data=data, first=first,
                                  epoch_batches=epoch_batches, precision=precision, loss_fn=loss_fn,
                                  cache=cache)
-        training.start(first, data=data, tuned=tuned)
+        training.start(first, data=data, tuned=tuned, batch_size=batch_size)
+        epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
         result = RunResult(plan=training.plan, device=training.device.describe(),
                            budget=training.device.budget, tune=tuned,
                            batch_coupled=list(training.coupling.names))

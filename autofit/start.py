@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .batches import batch_size, row_elements
 from .capacity import choose, needs_message, rank
-from .errors import DoesNotFit
+from .errors import DoesNotFit, one_line
 from .ladder import config_of
 from .reading import rng_untouched
 from .sizes import format_size
@@ -51,12 +51,6 @@ def cannot_estimate(model, error: BaseException, instead: str) -> None:
     """Say in one line that the capacity check could not estimate `model`, why, and what happens."""
     log.warning("capacity check: cannot estimate %s (%s); %s", type(model).__name__,
                 one_line(error), instead)
-
-
-def one_line(error: BaseException) -> str:
-    """'Type: first line of the message' (torch's messages run to many lines)."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes):

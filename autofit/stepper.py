@@ -121,7 +121,8 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
     batch, never for a failed attempt. `loss_fn`, `budget`, `precision`, `ladder`, `cache` mean what
     they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
-    `step` with the same global batches, as with `autofit.run`.
+    `step` with its own share of each global batch (as a DistributedSampler gives it; call its
+    set_epoch yourself) or with the same global batches, as with `autofit.run`.
     """
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,

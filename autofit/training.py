@@ -48,7 +48,7 @@ class Training:
         lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
         self.distributed = lockstep is not None
         self.lockstep = lockstep = lockstep or Local(model)
-        model = lockstep.module  # under DDP the module it runs: the user's DDP's, or the model itself
+        model = lockstep.module  # under DDP the module it runs (the user's DDP's), no wrapper
         progress = progress and lockstep.rank == 0
         self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
         self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
@@ -75,8 +75,6 @@ class Training:
         try:
             model = self.model
             device.place_model(model)
-            model, self.ddp = lockstep.wrap(model, device)  # ddp: None in a single process
-            self.model = model
             self.was_training = model.training
             model.train()
             self.coupling = Coupling(model, self.allow_split)  # says so once when a split would matter
@@ -85,7 +83,6 @@ class Training:
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
             if self.precision == "fp16" and device.type == "cpu":
                 log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
-            lockstep.agree_budgets(device, tensor_budget)
         except BaseException:
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
@@ -95,12 +92,18 @@ class Training:
         """Rows of `batch` one plan covers: this rank's share under torch.distributed."""
         return rows_of(self.lockstep.local(batch))
 
-    def start(self, first, *, data=None, tuned=None, resume=None) -> None:
+    def start(self, first, *, data=None, tuned=None, resume=None, batch_size=None) -> None:
         """Choose the start plan from the first global batch and build the controller.
-        `data` (for the longest batch the capacity check estimates), `tuned` (an autofit.TuneResult),
-        `resume` ((plan, SizeLog) from a stepper's state_dict) are optional."""
+        `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
+        `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
+        `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
         lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
         sizes, precision = self.sizes, self.precision
+        # The first agreement: how the data is given, rank 0's weights on every rank.
+        lockstep.hello(first, data, device, dataset=batch_size is not None)
+        if batch_size is not None:
+            lockstep.check_dataset(len(data), batch_size)
+        lockstep.agree_budgets(device, tensor_budget)
         first_rows = self.rows(first)  # a plan is per rank: its rows of a global batch
         self.memo = memo = Memo(
             model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
@@ -140,11 +143,10 @@ class Training:
         count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
-        if self.ddp is None:
+        if not self.distributed:
             self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
         else:
-            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, ddp=self.ddp,
-                                                **options)
+            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, **options)
         self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
                                      quiet=not self.progress, settle_within=settle_within)
         self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
@@ -171,9 +173,10 @@ class Training:
         """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
         (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
         start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
-        return evaluate(self.model, data, loss_fn=self.loss_fn, metric_fn=metric_fn, device=self.device,
-                        sizer=self.sizer, expect_like=expect_like, progress=progress,
-                        start_batch_size=start)
+        done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn,
+                        metric_fn=metric_fn, device=self.device, sizer=self.sizer,
+                        expect_like=expect_like, progress=progress, start_batch_size=start)
+        return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
     def __exit__(self, kind, error, traceback) -> bool:
         try:
@@ -227,8 +230,17 @@ class Local:
     def scope(self):
         return contextlib.nullcontext(self)
 
-    def wrap(self, model, device):
-        return model, None
+    def hello(self, first, data, device, *, dataset: bool) -> None:
+        pass
+
+    def epochs(self, epoch_batches):
+        return epoch_batches
+
+    def eval_share(self, data):
+        return data
+
+    def combine_eval(self, result):
+        return result
 
     def agree_budgets(self, device, tensor_budget) -> None:
         pass

@@ -30,7 +30,7 @@ from autofit.estimate import estimate  # noqa: E402
 from autofit.plan import Plan  # noqa: E402
 from autofit.simulate import simulate_gpu  # noqa: E402
 from autofit.sizes import format_size  # noqa: E402
-from autofit.start import one_line  # noqa: E402
+from autofit.errors import one_line  # noqa: E402
 from autofit.step import StepRunner  # noqa: E402
 
 

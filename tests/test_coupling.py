@@ -179,3 +179,15 @@ class Tracking(nn.Module):
     def forward(self, x):
         self.calls += 1
         return x
+
+
+def test_phase_first_moves_stay_and_keep_the_batch_whole():
+    from autofit.ladder import offers
+    ladder = Coupling(cnn()).ladder(SizeLog(), "fp32", True)
+    plan = Plan.for_batch(16)
+    assert [m(plan).per_parameter_step or m(plan).offload_optimizer for m in offers(ladder, "optimizer.step")[:2]] \
+        == [True, True]
+    forbidden = Coupling(cnn(), allow_split=False).ladder(SizeLog(), "fp32", True, user=Coupling(cnn()).ladder(
+        SizeLog(), "fp32", True))
+    assert walk(forbidden, plan) == [(16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", True, True)]
+    assert [m(plan).micro_batch_size for m in offers(forbidden, "optimizer.step")[:2]] == [16, 16]

@@ -19,7 +19,8 @@ import torch
 WORLD = 2
 GLOBAL = 32                 # rows of a global batch: 16 per rank
 SLOWEST_ERROR_EXIT = 30.0   # seconds; the process group's timeout is 60 s, so a hang would show
-PROCESS_TIMEOUT = 240       # seconds for the whole spawn, a backstop that fails instead of hanging
+PROCESS_TIMEOUT = 480       # seconds for the whole spawn, a backstop that fails instead of hanging
+FAULTS = 6                  # allocations sampled for an injected fault (benchmarks/distributed_faults.py: all)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
@@ -63,7 +64,96 @@ class _BrokenData:
         raise OSError("rank 1 lost its data file")
 
 
-def _worker(rank, init_file, out_dir, budgets):
+class _Samples(torch.utils.data.Dataset):
+    """Samples of `cls_batches(2, rows=GLOBAL)` one by one, for a DataLoader with a sampler."""
+
+    def __init__(self):
+        from reference import cls_batches
+        self.rows = [{k: v[i] for k, v in b.items()} for b in cls_batches(2, rows=GLOBAL) for i in range(GLOBAL)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def _sampler(rank, epoch=0):
+    sampler = torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
+                                                              shuffle=True, seed=7)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+class _Fails:
+    """An iterable of batches that raises `error` when its `at`-th batch is read."""
+
+    def __init__(self, batches, at, error):
+        self.batches, self.at, self.error = batches, at, error
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i == self.at:
+                raise self.error
+            yield batch
+
+
+def _phase_faults(rank, batches):
+    """(name, run keywords) that make rank 1 fail at one phase of a run, from before the first
+    agreement to after the last; on rank 0 the keywords do nothing."""
+    from reference import bert
+    mine = rank == 1
+
+    class Boom(RuntimeError):
+        pass
+
+    def optimizer_fails(params):
+        raise Boom("optimizer factory")
+
+    def scheduler_fails(optimizer):
+        raise Boom("scheduler factory")
+
+    def scheduler_steps_fail(at):
+        def make(optimizer):
+            class Scheduler(torch.optim.lr_scheduler.LambdaLR):
+                def step(self, *args):
+                    if self.last_epoch == at:
+                        raise Boom(f"scheduler step {at}")
+                    super().step(*args)
+            return Scheduler(optimizer, lambda s: 1.0)
+        return make
+
+    def metric_fails(output, batch):
+        raise Boom("metric")
+
+    yield "first batch", {"data": _Fails(batches, 0, Boom("first batch")) if mine else batches}
+    yield "eval data check", {"eval_data": _Fails(batches, 0, Boom("eval data")) if mine else batches[:1]}
+    yield "device", {"budget": "2 potatoes" if mine else None}
+    yield "model", {"model": bert(layers=1) if mine else bert()}
+    if mine:
+        yield "optimizer", {"optimizer": optimizer_fails}
+        yield "scheduler", {"scheduler": scheduler_fails}
+        yield "scheduler step 1 (after the step agreement)", {"scheduler": scheduler_steps_fail(1)}
+        yield "last scheduler step", {"scheduler": scheduler_steps_fail(len(batches))}
+        yield "evaluation", {"eval_data": batches[:1], "metric_fn": metric_fails}
+    else:
+        yield "optimizer", {}
+        yield "scheduler", {}
+        yield "scheduler step 1 (after the step agreement)", {}
+        yield "last scheduler step", {}
+        yield "evaluation", {"eval_data": batches[:1], "metric_fn": lambda output, batch: {}}
+
+
+class _SyncBNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SyncBatchNorm(8), torch.nn.Linear(8, 2))
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
     os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -146,12 +236,78 @@ def _worker(rank, init_file, out_dir, budgets):
     seen["odd_first"] = _timed(lambda: run(bert(), data=[odd], cache=False))
     seen["odd_later"] = _timed(lambda: run(bert(), data=[batches[0], odd], cache=False))
 
-    # 10. The user's own DDP model, under the budgets of scenario 1.
-    with autofit.simulate_gpu(budgets[rank]):
+    # 10. The user's own DDP model, under the budgets of scenario 1 plus the buckets its reducer holds
+    # (autofit makes no DDP of its own, so scenario 1 has none).
+    with autofit.simulate_gpu(budgets[rank] + ddp_buckets):
         model = torch.nn.parallel.DistributedDataParallel(bert())
         result = run(model, cache=False)
     seen["user_ddp"] = {"attempts": _attempts(result)}
     torch.save(model.module.state_dict(), os.path.join(out_dir, f"user_ddp-{rank}.pt"))
+
+    # 11. Per-rank data as torchrun jobs give it: a DataLoader with a DistributedSampler (shuffled,
+    # two epochs), 16 rows per rank, under the budgets of scenario 1.
+    model = bert()
+    loader = torch.utils.data.DataLoader(_Samples(), batch_size=GLOBAL // WORLD, sampler=_sampler(rank))
+    with autofit.simulate_gpu(budgets[rank]):
+        result = run(model, data=loader, epochs=2, cache=False)
+    seen["sampled"] = {"attempts": _attempts(result), "micro": [h["plan"].micro_batch_size for h in result.history]}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"sampled-{rank}.pt"))
+
+    # 12. Each rank given its own rows of scenario 1's batches as a list (first batches differ).
+    model = bert()
+    half = [{k: v[rank * GLOBAL // WORLD:(rank + 1) * GLOBAL // WORLD] for k, v in b.items()} for b in batches]
+    with autofit.simulate_gpu(budgets[rank]):
+        result = run(model, data=half, cache=False)
+    seen["halves"] = {"attempts": _attempts(result)}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"halves-{rank}.pt"))
+
+    # 13. Data that cannot be told apart: refused on every rank at the first agreement.
+    sampled = torch.utils.data.DataLoader(_Samples(), batch_size=GLOBAL // WORLD, sampler=_sampler(rank))
+    seen["mixed"] = _timed(lambda: run(bert(), data=sampled if rank == 0 else batches, cache=False))
+    mine = torch.utils.data.Subset(_Samples(), range(rank, 2 * GLOBAL, WORLD))
+    seen["datasets"] = _timed(lambda: run(bert(), data=mine, batch_size=GLOBAL, cache=False))
+
+    # 14. An error at each phase of a run on rank 1 (the budget is large: nothing runs out of memory).
+    seen["phases"] = {}
+    for name, kw in _phase_faults(rank, batches[:2]):
+        with autofit.simulate_gpu("64MiB"):
+            seen["phases"][name] = _timed(lambda: run(**{"model": bert(), "cache": False, **kw}))
+
+    # 15. A layer that communicates in forward.
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    seen["syncbn"] = _timed(lambda: run(_SyncBNNet(), data=data, cache=False))
+
+    # 16. No plan fits rank 1's budget: rank 1 says so, naming its own device and budget.
+    from reference import model_bytes
+    tiny = int(model_bytes(bert()) * 1.5)
+    seen["tiny"] = {"budget": tiny}
+    with autofit.simulate_gpu("64MiB" if rank == 0 else tiny):
+        seen["tiny"].update(_timed(lambda: run(bert(), capacity_check=True, cache=False)))
+
+    # 17. Evaluation: each rank evaluates its share of eval_data (a list of batches, a Dataset).
+    model, evaluated = bert(), []
+
+    def metric_fn(output, batch):
+        evaluated.append(len(batch["labels"]))
+        return {"accuracy": (output.logits.argmax(-1) == batch["labels"]).float().mean()}
+    result = run(model, data=batches[:1], eval_data=batches, metric_fn=metric_fn, cache=False)
+    seen["eval"] = {"history": result.eval_history, "rows": sum(evaluated)}
+    evaluated.clear()
+    result = run(bert(), data=batches[:1], eval_data=_Samples(), metric_fn=metric_fn, cache=False)
+    seen["eval_dataset"] = {"history": result.eval_history, "rows": sum(evaluated)}
+    torch.save(model.state_dict(), os.path.join(out_dir, f"eval-{rank}.pt"))
+
+    # 18. An out-of-memory error at allocations sampled across a whole run on rank 1 (placing the
+    # model, the agreements, forward/backward, the step, evaluation); rank 0 has no fault.
+    def faulted(at):
+        model = bert()
+        with autofit.simulate_gpu("64MiB") as gpu:
+            gpu.fail_at(at)
+            result = run(model, data=batches[:2], eval_data=batches[:1], cache=False)
+            return [a[:3] for a in _attempts(result)], gpu.allocation_count
+    _, count = faulted(None)
+    seen["faults"] = [_timed(lambda: faulted(count * k // FAULTS if rank == 1 else None)[0])
+                      for k in range(FAULTS)]
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -184,13 +340,13 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
     local = GLOBAL // WORLD
     from autofit.simulate import round_bytes
-    # DDP's reducer keeps one bucket holding a copy of the gradients (the model is below 1 MiB).
+    # A user's DDP keeps one bucket holding a copy of the gradients (the model is below 1 MiB).
     ddp_buckets = round_bytes(sum(p.numel() * p.element_size() for p in bert().parameters()))
     # Rank 1 fits 8 of its 16 rows at once but not 12; rank 0 fits all 16.
-    small = ddp_buckets + (_second_step_peak(local, 8) + _second_step_peak(local, 12)) // 2
+    small = (_second_step_peak(local, 8) + _second_step_peak(local, 12)) // 2
     budgets = [2 * small, small]
     context = torch.multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out), budgets))
+    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out), budgets, ddp_buckets))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -358,3 +514,121 @@ def test_a_model_already_wrapped_in_ddp_is_accepted(ranks):
     assert plans == [a[:3] for a in r1["user_ddp"]["attempts"]] == [a[:3] for a in r0["oom"]["attempts"]]
     p0, p1 = _load(out, "user_ddp", 0), _load(out, "user_ddp", 1)
     assert _equal(p0, p1) and _equal(p0, _load(out, "oom", 0))
+
+
+def test_a_distributed_sampler_loader_trains_every_sample_once_per_epoch(ranks):
+    from reference import bert, plain_loop
+    (r0, r1), out = ranks
+    # Unequal budgets: rank 1 runs out of memory, and both ranks walk the same plans.
+    assert [a[:3] for a in r0["sampled"]["attempts"]] == [a[:3] for a in r1["sampled"]["attempts"]]
+    assert [a[:3] for a in r0["sampled"]["attempts"]] == [[0, 16, "ok"], [1, 16, "oom"], [1, 8, "ok"],
+                                                          [2, 12, "oom"], [2, 8, "ok"], [3, 10, "ok"]]
+    p0, p1 = _load(out, "sampled", 0), _load(out, "sampled", 1)
+    assert _equal(p0, p1)
+    # The single-process loop over the global batches: rank 0's rows then rank 1's, epoch by epoch
+    # in the samplers' order for that epoch (so set_epoch was called: epoch 1 differs from epoch 0).
+    samples = _Samples()
+    orders = {(e, r): list(_sampler(r, e)) for e in range(2) for r in range(WORLD)}
+    assert orders[0, 0] != orders[1, 0]
+    for e in range(2):
+        assert sorted(orders[e, 0] + orders[e, 1]) == list(range(len(samples)))  # each sample once
+    per = GLOBAL // WORLD
+    batches = []
+    for e in range(2):
+        for i in range(0, len(samples) // WORLD, per):
+            rows = [samples[j] for r in range(WORLD) for j in orders[e, r][i:i + per]]
+            batches.append(torch.utils.data.default_collate(rows))
+    loop = plain_loop(bert(), batches, [GLOBAL] * len(batches)).state_dict()
+    assert _max_diff(p0, loop) <= 1e-5
+
+
+def test_ranks_given_different_batches_train_them_as_shares_of_one_global_batch(ranks):
+    (r0, r1), out = ranks
+    assert [a[:3] for a in r0["halves"]["attempts"]] == [a[:3] for a in r1["halves"]["attempts"]] \
+        == [a[:3] for a in r0["oom"]["attempts"]]
+    p0 = _load(out, "halves", 0)
+    assert _equal(p0, _load(out, "halves", 1))
+    assert _max_diff(p0, _load(out, "oom", 0)) <= 1e-6  # the same global batches, given per rank
+
+
+def test_data_that_cannot_be_told_apart_is_refused_on_every_rank(ranks):
+    (r0, r1), _ = ranks
+    for seen in (r0, r1):
+        assert seen["mixed"]["error"] == "ValueError"
+        assert seen["mixed"]["message"].startswith("some ranks' data has a DistributedSampler and some has not")
+        assert seen["datasets"]["error"] == "ValueError"
+        assert seen["datasets"]["message"].startswith("the ranks' Datasets differ")
+
+
+PHASES = {"first batch": "Boom: first batch", "eval data check": "Boom: eval data",
+          "device": "ValueError: ", "model": "", "optimizer": "Boom: optimizer factory",
+          "scheduler": "Boom: scheduler factory",
+          "scheduler step 1 (after the step agreement)": "Boom: scheduler step 1",
+          "last scheduler step": "Boom: scheduler step 2", "evaluation": "MetricError: "}
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_error_at_any_phase_on_one_rank_ends_every_rank_promptly(ranks, phase):
+    (r0, r1), _ = ranks
+    mine, other = r1["phases"][phase], r0["phases"][phase]
+    assert max(mine["seconds"], other["seconds"]) < SLOWEST_ERROR_EXIT
+    if phase == "model":  # a different model on rank 1: refused on both at the first agreement
+        for seen in (mine, other):
+            assert seen["error"] == "LockstepError"
+            assert seen["message"].startswith("the ranks' models differ"), seen["message"]
+        return
+    assert other["error"] == "RankFailed", other
+    assert other["message"].startswith(f"rank 1 failed with {PHASES[phase]}"), other["message"]
+    assert mine["error"] != "RankFailed" and mine["error"] in PHASES[phase] + "Boom", mine
+
+
+def test_a_layer_that_communicates_in_forward_is_refused(ranks):
+    (r0, r1), _ = ranks
+    for seen in (r0, r1):
+        assert seen["syncbn"]["error"] == "ValueError"
+        assert seen["syncbn"]["message"].startswith("net.1 is a SyncBatchNorm, which communicates with the "
+                                                    "other ranks inside forward")
+
+
+def test_does_not_fit_is_raised_on_the_rank_that_does_not_fit(ranks):
+    from autofit.sizes import format_size
+    (r0, r1), _ = ranks
+    assert r1["tiny"]["error"] == "DoesNotFit"
+    assert f"simulated GPU ({format_size(r1['tiny']['budget'])})" in r1["tiny"]["message"]
+    assert r0["tiny"]["error"] == "RankFailed"
+    assert r0["tiny"]["message"].startswith("rank 1 failed with DoesNotFit: no plan can fit")
+
+
+def test_evaluation_splits_the_data_across_ranks_with_the_same_global_mean(ranks):
+    import autofit
+    from reference import bert, cls_batches
+    (r0, r1), out = ranks
+    model = bert()
+    model.load_state_dict(_load(out, "eval", 0))
+
+    def accuracy(output, batch):
+        return {"accuracy": (output.logits.argmax(-1) == batch["labels"]).float().mean()}
+    for scenario, data in (("eval", cls_batches(3, rows=GLOBAL)), ("eval_dataset", _Samples())):
+        whole = autofit.evaluate(model, data, metric_fn=accuracy, batch_size=1000)
+        assert (r0[scenario]["rows"], r1[scenario]["rows"]) == (whole.samples // 2, whole.samples // 2)
+        for seen in (r0, r1):
+            (record,) = seen[scenario]["history"]
+            assert record["samples"] == whole.samples
+            assert abs(record["loss"] - whole.loss) <= 1e-6
+            assert abs(record["accuracy"] - whole.metrics["accuracy"]) <= 1e-6
+        assert r0[scenario]["history"] == r1[scenario]["history"]
+
+
+def test_an_oom_at_sampled_allocations_of_one_rank_is_recovered_or_announced(ranks):
+    (r0, r1), _ = ranks
+    kinds = []
+    for mine, other in zip(r1["faults"], r0["faults"]):
+        assert max(mine["seconds"], other["seconds"]) < SLOWEST_ERROR_EXIT
+        if "value" in mine:  # a step's OOM (replayed) or evaluation's (halved): the same attempts
+            assert other["value"] == mine["value"]
+            kinds.append("recovered")
+        else:
+            assert mine["error"] == "OutOfMemoryError" and other["error"] == "RankFailed", (mine, other)
+            assert other["message"].startswith("rank 1 failed with OutOfMemoryError")
+            kinds.append("announced")
+    assert "recovered" in kinds  # some position fell in a step, which both ranks replayed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import one_line  # noqa: F401  (the commands' one-line error text)
 from ..sizes import format_size, parse_size
 
 EXIT_OK = 0
@@ -37,11 +38,6 @@ def positive_arg(option: str, value: int) -> int:
 
 def out(text: str = "") -> None:
     print(text, file=sys.stdout)
-
-
-def one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def attempts_table(attempts) -> None:
