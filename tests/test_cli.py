@@ -133,7 +133,8 @@ def probe_json(capsys, *argv):
     return code, json.loads(out), err
 
 
-PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer"]
+PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
+               "per_parameter_step"]
 ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",
