@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+from .errors import AllocationFailed
+
 MIN_BLOCK = 512              # every request is rounded up to a multiple of this
 SMALL_REQUEST = 1 << 20      # requests up to 1 MiB go to the small pool
 SMALL_SEGMENT = 2 << 20      # the small pool's segments (and its expandable pages)
@@ -66,14 +68,6 @@ class Block:
 
     def __repr__(self):
         return f"Block({self.state}, {self.size} B at {self.addr:#x})"
-
-
-class AllocationFailed(Exception):
-    """The limit leaves no room for the segment this request needs, even after releasing the cache."""
-
-    def __init__(self, size: int):
-        super().__init__(size)
-        self.size = size
 
 
 class CachingAllocator:

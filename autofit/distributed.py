@@ -81,7 +81,7 @@ import torch
 
 from .batches import _fields, slice_batch, weights
 from .batches import batch_size as rows_of
-from .errors import DoesNotFit
+from .errors import DoesNotFit, LockstepError, PeerOutOfMemory, RankFailed
 from .ladder import SizeLog, config_of
 from .oom import is_oom, summarize
 from .plan import Plan
@@ -98,22 +98,6 @@ ITERABLE, SAMPLED, DATASET = range(3)  # how a rank's data came: batches, a Dist
 COLLECTIVE_LAYERS = (torch.nn.SyncBatchNorm, torch.nn.parallel.DistributedDataParallel)
 FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
 MESSAGE_BYTES = 1024
-
-
-class RankFailed(RuntimeError):
-    """Another rank raised an error that is not an out-of-memory error; every rank stops."""
-
-    def __init__(self, message: str, rank: int, error: str):
-        super().__init__(message)
-        self.rank, self.error = rank, error
-
-
-class PeerOutOfMemory(torch.OutOfMemoryError):
-    """Another rank ran out of memory in this attempt; this rank drops the attempt as well."""
-
-
-class LockstepError(RuntimeError):
-    """The ranks are not at the same point of the run (different data, or different plans)."""
 
 
 def is_distributed() -> bool:

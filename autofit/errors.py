@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .memory import format_breakdown
+import torch
+
 from .sizes import format_size
 
 
@@ -26,6 +27,8 @@ class DoesNotFit(RuntimeError):
         if self.breakdown:
             label = "memory at the last failure" if self.attempts else \
                 f"estimated peak of the leanest plan ({plan.describe()})" if plan else "estimated peak"
+            from .memory import format_breakdown  # memory imports the simulator, which raises ours
+
             lines.append(f"{label}: " + format_breakdown(self.breakdown, budget))
         if self.attempts:
             lines.append("plans tried:")
@@ -48,3 +51,43 @@ class MemoryNotReleased(RuntimeError):
             f"pre-attempt baseline, held by {holders}. Something outside the step keeps tensors of "
             f"the failed attempt alive (a loss or output stored in a list, a global, a hook); keep "
             f"Python numbers (loss.item()) instead.")
+
+
+class NoLossError(ValueError):
+    """The model returned no loss and no loss_fn was given."""
+
+
+class MetricError(RuntimeError):
+    """A user's metric function failed on an evaluation batch."""
+
+
+class ModelSpecError(ValueError):
+    """A model spec that cannot be turned into a model and a batch; the message is one line."""
+
+
+class AllocationFailed(Exception):
+    """The limit leaves no room for the segment this request needs, even after releasing the cache."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
+
+
+class RankFailed(RuntimeError):
+    """Another rank raised an error that is not an out-of-memory error; every rank stops."""
+
+    def __init__(self, message: str, rank: int, error: str):
+        super().__init__(message)
+        self.rank, self.error = rank, error
+
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """Another rank ran out of memory in this attempt; this rank drops the attempt as well."""
+
+
+class LockstepError(RuntimeError):
+    """The ranks are not at the same point of the run (different data, or different plans)."""
+
+
+class UsageError(Exception):
+    """Bad command-line usage: printed as one "autofit: error:" line, exit status 2."""

@@ -41,10 +41,10 @@ from .batches import slice_batch, token_counter
 from .controller import CUDA_BASELINE_SLACK
 from .device import describe_tensors, open_device
 from .eval_data import check_data, check_structure, is_map_dataset, units
-from .errors import DoesNotFit, MemoryNotReleased
+from .errors import DoesNotFit, MemoryNotReleased, MetricError, NoLossError
 from .oom import is_oom, release, summarize
 from .sizes import format_size
-from .step import NoLossError, compute_loss
+from .step import compute_loss
 
 log = logging.getLogger("autofit")
 
@@ -55,10 +55,6 @@ DEFAULT_DATASET_BATCH = 128
 # gradients nor a second copy of anything, so several training micro-batches fit in its place.
 EVAL_START_FACTOR = 4
 RESERVED_KEYS = ("epoch", "loss", "samples", "batch_size")
-
-
-class MetricError(RuntimeError):
-    """A user's metric function failed on an evaluation batch."""
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,10 @@ from collections.abc import Mapping
 
 import torch
 
+from .errors import ModelSpecError
+
 DEFAULT = "bert-base"
 SEED = 0
-
-
-class ModelSpecError(ValueError):
-    """A model spec that cannot be turned into a model and a batch; the message is one line."""
 
 
 # name -> (config class name, config keyword arguments, model class name, task)

@@ -16,14 +16,11 @@ from .applies import not_applicable
 from .atomic import AtomicStep
 from .batches import split, weights
 from .checkpointing import Checkpointing
+from .errors import NoLossError
 from .ladder import config_of
 from .offload import Offloaded
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class NoLossError(ValueError):
-    pass
 
 
 def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:

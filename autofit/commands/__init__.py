@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import one_line  # noqa: F401  (the commands' one-line error text)
+from ..errors import UsageError, one_line  # noqa: F401  (one_line: the commands' one-line error text)
 from ..sizes import format_size, parse_size
 
 EXIT_OK = 0
@@ -15,10 +15,6 @@ EXIT_DOES_NOT_FIT = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """Bad usage: printed as one "autofit: error:" line, exit status 2."""
 
 
 def size_arg(option: str, text: str, allow_zero: bool = False) -> int:
