@@ -47,10 +47,12 @@ from .estimate import Estimator, MemoryEstimate
 from .ladder import BUSY_FLOOR, config_of
 from .memory import format_breakdown
 from .plan import PRECISIONS, Plan
+from .precision import MIXED_PRECISION_COST  # noqa: F401  (its old import path)
+from .precision import get as get_precision
+from .precision import mixed_for
 from .sizes import format_size, parse_size
 
 MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
-MIXED_PRECISION_COST = 1.15   # exactness premium: see the module docstring
 CHECKPOINT_COST = 4 / 3       # one more forward
 OFFLOAD_COST = 3.0            # host update and transfers
 TIGHT = 0.8                   # resident bytes above this share of the budget: check frugal plans first
@@ -84,8 +86,7 @@ def plan_cost(plan: Plan, global_batch: int) -> float:
     if last:
         rows += max(last, BUSY_FLOOR) + MICRO_OVERHEAD
     cost = rows / (max(global_batch, BUSY_FLOOR) + MICRO_OVERHEAD)
-    if plan.precision != "fp32":
-        cost *= MIXED_PRECISION_COST
+    cost *= get_precision(plan.precision).cost
     if plan.checkpointing:
         cost *= CHECKPOINT_COST
     if plan.offload_optimizer:
@@ -97,7 +98,7 @@ def _precisions(precision: str, bf16_supported: bool) -> tuple[str, ...]:
     if precision not in PRECISION_POLICIES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
     if precision == "auto":
-        return ("fp32", "bf16" if bf16_supported else "fp16")
+        return ("fp32", mixed_for(bf16_supported))
     return (precision,)
 
 

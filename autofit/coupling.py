@@ -22,6 +22,7 @@ import logging
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import precision as precisions
 from .ladder import (ByPhase, Either, Move, ShrinkMicroBatch, checkpointing, default_ladder, mixed_precision,
                      offload_optimizer, phased)
 
@@ -46,7 +47,7 @@ def whole_first_ladder(sizes, precision: str = "auto", bf16_supported: bool = Tr
                        allow_split: bool = True) -> Move:
     """Moves that keep the global batch whole first (bf16 only with precision="auto"), then
     halving the micro-batch down to 1 unless splitting is forbidden."""
-    steps = [mixed_precision("bf16" if bf16_supported else "fp16")] if precision == "auto" else []
+    steps = [mixed_precision(precisions.mixed_for(bf16_supported))] if precision == "auto" else []
     steps += [checkpointing(), offload_optimizer()]
     if allow_split:
         steps.append(ShrinkMicroBatch(sizes, floor=1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from . import precision as precisions
 from .plan import Plan
 
 BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper moves come first
@@ -256,8 +257,8 @@ class SetField(Move):
 
 
 def mixed_precision(dtype: str = "bf16") -> Move:
-    if dtype not in ("bf16", "fp16"):
-        raise ValueError(f"mixed precision is 'bf16' or 'fp16' but got {dtype!r}.")
+    if dtype not in precisions.MIXED:
+        raise ValueError(f"mixed precision is {' or '.join(map(repr, precisions.MIXED))} but got {dtype!r}.")
     return _OnlyFromFp32(dtype)
 
 
@@ -344,7 +345,7 @@ def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool
     """
     steps = [ShrinkMicroBatch(sizes, floor=BUSY_FLOOR)]
     if precision == "auto":
-        steps.append(mixed_precision("bf16" if bf16_supported else "fp16"))
+        steps.append(mixed_precision(precisions.mixed_for(bf16_supported)))
     steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
     return phased(Either(*steps))
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from .precision import PRECISIONS
 
 
 def _positive(name: str, value) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import precision as precisions
 from .applies import not_applicable
 from .atomic import AtomicStep
 from .batches import split, weights
@@ -19,8 +20,6 @@ from .checkpointing import Checkpointing
 from .errors import NoLossError
 from .ladder import config_of
 from .offload import Offloaded
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
@@ -91,7 +90,7 @@ class StepRunner:
         elif not plan.offload_optimizer and self.offloaded is not None:
             self.offloaded.give_back()
             self.offloaded = None
-        if plan.precision == "fp16" and self.scaler is None:
+        if precisions.get(plan.precision).needs_scaler and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         self._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
 
@@ -150,13 +149,13 @@ class StepRunner:
         shares = self._shares(batch, parts)
         items = self.weighting.items(batch) if self.weighting is not None else {}
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
-        autocast = plan.precision != "fp32"
+        autocast = precisions.get(plan.precision).mixed
         for i, (part, share) in enumerate(zip(parts, shares)):
             part = self.device.to_device(part)
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
                 self.phase = "forward"
-                with torch.autocast(self.device.type, dtype=DTYPES.get(plan.precision), enabled=autocast):
+                with torch.autocast(self.device.type, dtype=precisions.get(plan.precision).autocast_dtype, enabled=autocast):
                     loss = compute_loss(self.forward, part, self.loss_fn, items)
                 scaled = loss * share
                 if self.scaler is not None:

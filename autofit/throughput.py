@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import precision as precisions
 from .batches import batch_size as rows_of
 from .batches import token_counter
 from .capacity import micro_batch_sizes, plan_cost, rank
@@ -163,7 +164,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
         default = started[0].with_micro_batch(started[0].micro_batch_size, global_batch)
     fitting = [default]
     if precision == "auto" and started is not None:
-        mixed = "bf16" if device.supports_bf16() else "fp16"
+        mixed = precisions.mixed_for(device.supports_bf16())
         for other in [p for p in ("fp32", mixed) if p != default.precision]:
             fitting += [c.plan for c in rank(model, batch, tensor_budget(device), precision=other,
                                              optimizer=optimizer, loss_fn=loss_fn, margin=MARGIN,

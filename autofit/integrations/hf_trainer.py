@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import precision as precisions
 from ..capacity import needs_message, plan_cost, rank
 from ..errors import DoesNotFit
 from ..ladder import Move
@@ -107,14 +108,13 @@ def apply_plan(trainer, plan: Plan) -> None:
     set_precision(trainer, plan.precision)
 
 
-_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-
-
 def set_precision(trainer, precision: str) -> None:
     """bf16/fp16 in the arguments and, when that changes the mixed precision, a new Accelerator."""
     args = trainer.args
-    args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
-    wanted = _MIXED[precision]
+    chosen = precisions.get(precision)
+    for flag in (p.hf_flag for p in precisions.REGISTRY.values() if p.hf_flag):
+        setattr(args, flag, flag == chosen.hf_flag)
+    wanted = chosen.accelerate
     if getattr(args, "mixed_precision", wanted) == wanted:
         return
     args.mixed_precision = wanted

@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from .. import precision as precisions
 from ..capacity import PRECISION_POLICIES
 from ..controller import Attempt
 from ..device import open_device
@@ -215,7 +216,7 @@ def _ladder(trainer, rows: int, policy: str, bf16_supported: bool):
     without offload."""
     moves = [hf.DivisorMicroBatch(rows, BUSY_FLOOR)]
     if policy == "auto":
-        moves.append(mixed_precision("bf16" if bf16_supported else "fp16"))
+        moves.append(mixed_precision(precisions.mixed_for(bf16_supported)))
     if hf.can_checkpoint(trainer):
         moves.append(checkpointing())
     moves.append(hf.DivisorMicroBatch(rows, 1))
