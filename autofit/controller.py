@@ -265,7 +265,7 @@ class Controller:
         phase = where if getattr(self.runner, "phase_steers_ladder", False) else ""
         applies = getattr(self.runner, "not_applicable", None)
         while True:
-            new, why, skipped = step_down(self.ladder, current, phase, applies)
+            new, why, skipped = step_down(self.ladder, current, phase, applies, global_batch)
             for move, reason in skipped:
                 if reason not in self._said:
                     self._said.add(reason)

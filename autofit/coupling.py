@@ -60,9 +60,9 @@ class _KeepWhole(Move):
     def __init__(self, inner: Move):
         self.inner, self.why = inner, inner.why
 
-    def take(self, plan):
-        taken = self.inner.take(plan)
-        if taken is None or taken[0].micro_batch_size < taken[0].global_batch:
+    def take(self, plan, global_batch=None):
+        taken = self.inner.take(plan, global_batch)
+        if taken is None or taken[0].micro_batch_size < (global_batch or taken[0].global_batch):
             return None
         return taken
 

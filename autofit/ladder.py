@@ -153,13 +153,18 @@ class Move:
         taken = self.take(plan)
         return None if taken is None else taken[0]
 
-    def take(self, plan: Plan) -> tuple[Plan, str] | None:
-        """(new plan, reason) or None."""
-        new = self.step(plan)
+    def take(self, plan: Plan, global_batch: int | None = None) -> tuple[Plan, str] | None:
+        """(new plan, reason) or None. `global_batch`: the batch the plan must cover (micro-batch x
+        accumulation may exceed it, 8 x 2 covering 9); the plan's own when not given."""
+        new = self.step_for(plan, plan.global_batch if global_batch is None else global_batch)
         return None if new is None else (new, self.why)
 
     def step(self, plan: Plan) -> Plan | None:
         raise NotImplementedError
+
+    def step_for(self, plan: Plan, global_batch: int) -> Plan | None:
+        """The step for a plan that covers `global_batch`; moves that do not split it need only `step`."""
+        return self.step(plan)
 
     def __or__(self, other) -> "Move":
         return Either(self, as_move(other))
@@ -177,9 +182,9 @@ class Either(Move):
         for m in moves:  # flatten so repr and iteration stay readable
             self.moves.extend(m.moves if isinstance(m, Either) else [m])
 
-    def take(self, plan):
+    def take(self, plan, global_batch=None):
         for move in self.moves:
-            taken = move.take(plan)
+            taken = move.take(plan, global_batch)
             if taken is not None:
                 return taken
         return None
@@ -227,6 +232,9 @@ class ShrinkMicroBatch(Move):
         self.why = f"smaller micro-batch, more accumulation (not below {floor})"
 
     def step(self, plan):
+        return self.step_for(plan, plan.global_batch)
+
+    def step_for(self, plan, global_batch):
         current = plan.micro_batch_size
         if current <= self.floor:
             return None
@@ -234,8 +242,7 @@ class ShrinkMicroBatch(Move):
         fit = self.sizes.fit(plan)  # at the length of the batch being trained
         if fit is not None and size < fit < current:
             size = fit  # a size known to fit beats a blind halving
-        global_batch = plan.global_batch
-        return plan.replace(micro_batch_size=size, accumulation_steps=-(-global_batch // size))
+        return plan.with_micro_batch(size, global_batch)
 
     def __repr__(self):
         return f"ShrinkMicroBatch(floor={self.floor})"
@@ -300,8 +307,8 @@ class ByPhase(Move):
         self.general = as_move(general)
         self.first = {phase: as_move(moves) for phase, moves in first.items()}
 
-    def take(self, plan):
-        return self.general.take(plan)
+    def take(self, plan, global_batch=None):
+        return self.general.take(plan, global_batch)
 
     def __repr__(self):
         return "; ".join([repr(self.general)] + [f"first after {phase}: {moves!r}"
@@ -318,14 +325,15 @@ def offers(ladder: Move, phase: str = "") -> list[Move]:
     return [ladder]
 
 
-def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None):
+def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_batch: int | None = None):
     """(new plan, why, skipped) from the first move that steps `plan` down to a plan that applies to
     this job; `applies(plan) -> reason | None` says why a plan does not (no repeated blocks to
     checkpoint, no bf16 on this device, ...), and such moves are skipped, listed in `skipped` as
-    (move, reason). (None, "", skipped) when no move has a step left."""
+    (move, reason). (None, "", skipped) when no move has a step left. `global_batch`: the batch the
+    plan must cover, given to the moves (the plan's own micro-batch x accumulation when None)."""
     skipped = []
     for move in offers(ladder, phase):
-        taken = move.take(plan)
+        taken = move.take(plan, global_batch)
         if taken is None:
             continue
         reason = applies(taken[0]) if applies is not None else None

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from autofit.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
-                            checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer)
+                            checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer,
+                            step_down)
 from autofit.plan import Plan
 
 SHRINK_8 = "smaller micro-batch, more accumulation (not below 8)"
@@ -259,6 +260,27 @@ def test_shrink_prefers_a_size_known_to_fit_over_blind_halving():
     assert shrink(P(64, 1)) == P(32, 2)       # 24 is not between 32 and 64
     assert shrink(P(24, 3)) == P(12, 6)       # at the fit already: halve
     assert shrink(P(32, 2, "bf16")) == P(16, 4, "bf16")  # the fit of another configuration is ignored
+
+
+def test_shrink_splits_the_true_global_batch():
+    # Plan.for_batch(9, 8) is 8 x 2: it covers 16 rows but the batch has 9, which 4 x 3 covers.
+    plan = Plan.for_batch(9, 8)
+    shrink = ShrinkMicroBatch(SizeLog(), floor=1)
+    assert shrink.take(plan, 9) == (Plan(4, 3), SHRINK_1)
+    assert shrink.take(plan) == (Plan(4, 4), SHRINK_1)  # without it: the plan's own 8 x 2 = 16
+    ladder = Either(mixed_precision("bf16"), shrink)
+    assert step_down(ladder, plan.replace(precision="bf16"), global_batch=9) == (
+        Plan(4, 3, "bf16"), SHRINK_1, [])
+    assert [p for p, _ in walk_batch(shrink, plan, 9)] == [Plan(4, 3), Plan(2, 5), Plan(1, 9)]
+
+
+def walk_batch(move, plan, global_batch, limit=50):
+    out = []
+    while (taken := move.take(plan, global_batch)) is not None:
+        plan = taken[0]
+        out.append(taken)
+        assert len(out) < limit
+    return out
 
 
 def test_shrink_floor():
