@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -32,12 +33,13 @@ def _tensors(obj):
 
 
 def _map_tensors(obj, fn):
+    """`obj` in new containers (mappings, lists, tuples, namedtuples, BatchEncoding), each tensor
+    leaf passed through `fn`, other leaves kept as they are."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)({k: _map_tensors(v, fn) for k, v in obj.items()})
-    if hasattr(obj, "data") and hasattr(obj, "items") and isinstance(getattr(obj, "data"), dict):
-        # transformers' BatchEncoding: a dict-like that keeps its encodings.
+    if isinstance(obj, Mapping) or (hasattr(obj, "data") and hasattr(obj, "items")
+                                    and isinstance(getattr(obj, "data"), dict)):
+        # transformers' BatchEncoding is a dict-like that keeps its encodings.
         return type(obj)({k: _map_tensors(v, fn) for k, v in obj.items()})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_map_tensors(v, fn) for v in obj))

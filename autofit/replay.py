@@ -17,9 +17,10 @@ loop. `StartState` keeps what a replay needs, in host memory:
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 
 import torch
+
+from .device import _map_tensors
 
 
 def rng_state() -> tuple:
@@ -50,16 +51,7 @@ def restore_groups(optimizer, saved: list[dict]) -> None:
 def fresh(batch, tensor=lambda t: t):
     """The batch in new containers (dicts, lists, tuples, BatchEncoding), leaves passed to `tensor`
     when they are tensors and kept as they are otherwise."""
-    if isinstance(batch, torch.Tensor):
-        return tensor(batch)
-    if isinstance(batch, Mapping) or (hasattr(batch, "data") and hasattr(batch, "items")
-                                      and isinstance(getattr(batch, "data"), dict)):
-        return type(batch)({k: fresh(v, tensor) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(fresh(v, tensor) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(fresh(v, tensor) for v in batch)
-    return batch
+    return _map_tensors(batch, tensor)
 
 
 def _leaves(batch):
