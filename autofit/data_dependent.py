@@ -17,8 +17,10 @@ import sympy
 
 # torch logs a traceback of its own when a fake kernel fails (~25 lines for one Mixtral step); the
 # estimator's caller reports the failure once, so these are silenced while it runs.
+# torch.__trace is torch's structured-trace log, always at DEBUG: where a handler receives its records
+# (propagation switched on by a logging setup) they hold the estimate's fake tensors and shape envs.
 TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
-                 "torch._dynamo", "torch._functorch", "torch._guards")
+                 "torch._dynamo", "torch._functorch", "torch._guards", "torch.__trace")
 
 
 @contextlib.contextmanager
