@@ -33,8 +33,7 @@ def _tensors(obj):
 
 
 def _map_tensors(obj, fn):
-    """`obj` in new containers (mappings, lists, tuples, namedtuples, BatchEncoding), each tensor
-    leaf passed through `fn`, other leaves kept as they are."""
+    """`obj` in new containers, each tensor leaf passed through `fn`, other leaves kept."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Mapping) or (hasattr(obj, "data") and hasattr(obj, "items")

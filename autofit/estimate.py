@@ -1,5 +1,6 @@
 """Fake-tensor estimator: the peak device memory of one training step under a plan, without a GPU.
-(Long: the meter, the fake device and the estimator are one mechanism and change together.)
+Why this module is long: the meter, the fake device and the estimator are one mechanism and
+change together.
 
 The real step runs — `StepRunner` with the plan's micro-batches, autocast, checkpointing and offload,
 the user's optimizer class and loss — on a copy of the model made of fake tensors
