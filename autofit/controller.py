@@ -89,6 +89,7 @@ class Controller:
         # What this run proved (sizes that trained a global batch): a failure of one of them is
         # retried once before it counts, since it fitted rows this long before.
         self.proven = SizeLog()
+        self._owned_at = None  # (allocated bytes, owned bytes) when the model's bytes were last counted
         self._retried: set = set()        # (step, plan) already given their one retry
         self._failed: list = []           # (plan, length) failures this run recorded, until they expire
         self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
@@ -158,7 +159,7 @@ class Controller:
     def _attempt(self, batch, step: int, global_batch: int) -> _Outcome:
         plan, reason = self.plan, self.reason
         baseline = self.device.memory_allocated()
-        owned = self._owned() if self.device.counts else 0
+        owned = self._owned_before(baseline) if self.device.counts else 0
         failure = None
         batch = self.start.begin()  # a replay: RNG, buffers, param_groups and batch as before
         try:
@@ -293,6 +294,13 @@ class Controller:
         """Device bytes of the model's parameters and buffers and of the optimizer's state."""
         held = by_kind(self.device, self.model, self.runner.optimizer)
         return held["params"] + held["optimizer"]
+
+    def _owned_before(self, allocated: int) -> int:
+        """`_owned()` before an attempt, counted again only when the allocated bytes moved since the
+        last count: between steady steps they do not, so the per-step path walks no tensor."""
+        if self._owned_at is None or self._owned_at[0] != allocated:
+            self._owned_at = (allocated, self._owned())
+        return self._owned_at[1]
 
     def _check_baseline(self, baseline: int, owned: int = 0) -> None:
         slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
