@@ -16,15 +16,52 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-_routing_lock = threading.Lock()
-_routing = {"users": 0, "original": None, "modes": weakref.WeakSet()}
+class FunctionalPatch:
+    """A `torch.nn.functional` function replaced while at least one estimate needs it.
+
+    `patch(mode)` is a context: the first estimate in replaces the function (and runs `on_first`),
+    the last one out puts the original back (after `on_last`). `modes` holds the fake modes inside,
+    which the replacement reads to know whose tensors it handles; `original` is what it calls for
+    every other tensor.
+    """
+
+    def __init__(self, name: str, replacement, on_first=None, on_last=None):
+        self.name, self.replacement = name, replacement
+        self.on_first, self.on_last = on_first, on_last
+        self.lock = threading.Lock()
+        self.users, self.original, self.modes = 0, None, weakref.WeakSet()
+
+    @contextlib.contextmanager
+    def patch(self, mode):
+        with self.lock:
+            if self.users == 0:
+                if self.on_first is not None:
+                    self.on_first()
+                self.original = getattr(F, self.name)
+                setattr(F, self.name, self.replacement)
+            self.users += 1
+            self.modes.add(mode)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.modes.discard(mode)
+                self.users -= 1
+                if self.users == 0:
+                    setattr(F, self.name, self.original)
+                    self.original = None
+                    if self.on_last is not None:
+                        self.on_last()
 
 
 def _routed_attention(query, key, value, *args, **kwargs):
     mode = getattr(query, "fake_mode", None)
-    if mode is not None and mode in _routing["modes"]:
+    if mode is not None and mode in _routing.modes:
         return cuda_attention(query, key, value, *args, **kwargs)
-    return _routing["original"](query, key, value, *args, **kwargs)
+    return _routing.original(query, key, value, *args, **kwargs)
+
+
+_routing = FunctionalPatch("scaled_dot_product_attention", _routed_attention)
 
 
 @contextlib.contextmanager
@@ -37,21 +74,8 @@ def attention_as_on_cuda(mode: FakeTensorMode):
     needs it; the wrapper routes only fake tensors of an estimate's own mode, so other threads and
     real tensors go to the original.
     """
-    with _routing_lock:
-        if _routing["users"] == 0:
-            _routing["original"] = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = _routed_attention
-        _routing["users"] += 1
-        _routing["modes"].add(mode)
-    try:
+    with _routing.patch(mode):
         yield
-    finally:
-        with _routing_lock:
-            _routing["modes"].discard(mode)
-            _routing["users"] -= 1
-            if _routing["users"] == 0:
-                F.scaled_dot_product_attention = _routing["original"]
-                _routing["original"] = None
 
 
 def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-import weakref
 
 import torch
-import torch.nn.functional as F
 from torch._C import DispatchKey, DispatchKeySet
 
-from .cuda_attention import attention_as_on_cuda
+from .cuda_attention import FunctionalPatch, attention_as_on_cuda
 
 # CUDA's autocast policies (ATen/autocast_mode.h, torch 2.x), "op" or "op.overload".
 LOWER_PRECISION = (
@@ -60,9 +57,7 @@ POLICIES = {"lower_precision_fp": LOWER_PRECISION, "fp32": FP32,
             "fp32_set_opt_dtype": FP32_SET_OPT_DTYPE, "promote": PROMOTE}
 
 _NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU)
-_lock = threading.Lock()
 _KERNELS: dict = {}  # op -> its kernel, made once (registering again reuses it)
-_state = {"users": 0, "library": None, "dropout": None, "modes": weakref.WeakSet()}
 
 
 def _overload(name: str):
@@ -77,7 +72,7 @@ def _ours(args) -> bool:
             if _ours(a):
                 return True
         elif isinstance(a, torch.Tensor):
-            return getattr(a, "fake_mode", None) in _state["modes"]
+            return getattr(a, "fake_mode", None) in _estimates.modes
     return False
 
 
@@ -158,30 +153,29 @@ def _register() -> torch.library.Library:
 
 def _dropout(input, p=0.5, training=True, inplace=False):
     if (training and not inplace and 0.0 < p < 1.0 and input.numel() > 0
-            and getattr(input, "fake_mode", None) in _state["modes"]):
+            and getattr(input, "fake_mode", None) in _estimates.modes):
         return torch.ops.aten.native_dropout(input, p, True)[0]  # saves a bool mask, as on CUDA
-    return _state["dropout"](input, p, training, inplace)
+    return _estimates.original(input, p, training, inplace)
+
+
+_library = {"kernels": None}  # the AutocastCPU kernels, registered while any estimate is inside
+
+
+def _register_kernels():
+    _library["kernels"] = _register()
+
+
+def _destroy_kernels():
+    _library["kernels"]._destroy()
+    _library["kernels"] = None
+
+
+_estimates = FunctionalPatch("dropout", _dropout, on_first=_register_kernels, on_last=_destroy_kernels)
 
 
 @contextlib.contextmanager
 def numerics_as_on_cuda(mode):
     """While inside, this fake mode's tensors get CUDA's autocast policies, dropout and attention;
     every other tensor is untouched."""
-    with _lock:
-        if _state["users"] == 0:
-            _state["library"] = _register()
-            _state["dropout"] = F.dropout
-            F.dropout = _dropout
-        _state["users"] += 1
-        _state["modes"].add(mode)
-    try:
-        with attention_as_on_cuda(mode):
-            yield
-    finally:
-        with _lock:
-            _state["modes"].discard(mode)
-            _state["users"] -= 1
-            if _state["users"] == 0:
-                F.dropout = _state["dropout"]
-                _state["library"]._destroy()
-                _state["library"] = _state["dropout"] = None
+    with _estimates.patch(mode), attention_as_on_cuda(mode):
+        yield
