@@ -1,7 +1,7 @@
 """autofit: make a PyTorch training job fit the GPU it runs on, and keep it fitting."""
 
-from .controller import Attempt
-from .errors import (
+from autofit.engine.controller import Attempt
+from autofit.errors import (
     AllocationFailed,
     DoesNotFit,
     LockstepError,
@@ -14,15 +14,15 @@ from .errors import (
     RankFailed,
     UsageError,
 )
-from .estimate import MemoryEstimate, estimate
-from .evaluate import EvalResult, EvalSizer, evaluate
-from .explain import explain
-from .plan import Plan
-from .run import RunResult, run
-from .simulate import simulate_gpu
-from .sizes import parse_size
-from .stepper import StepOutput, stepper
-from .tuning import TuneResult, tune
+from autofit.estimator.estimate import MemoryEstimate, estimate
+from autofit.recipes.evaluate import EvalResult, EvalSizer, evaluate
+from autofit.diagnosis.explain import explain
+from autofit.plans.plan import Plan
+from autofit.recipes.run import RunResult, run
+from autofit.gpu.simulate import simulate_gpu
+from autofit.sizes import parse_size
+from autofit.recipes.stepper import StepOutput, stepper
+from autofit.tuning.tune import TuneResult, tune
 
 __version__ = "0.1.0"
 

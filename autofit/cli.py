@@ -14,10 +14,10 @@ import logging
 import sys
 import traceback
 
-from .commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
-from .commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
-from .commands.demo import DEMO_BATCH, DEMO_BUDGET, DEMO_STEPS, cmd_demo
-from .commands.probe import VERIFY_STEPS, cmd_probe
+from autofit.commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
+from autofit.commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
+from autofit.commands.demo import DEMO_BATCH, DEMO_BUDGET, DEMO_STEPS, cmd_demo
+from autofit.commands.probe import VERIFY_STEPS, cmd_probe
 
 log = logging.getLogger("autofit")
 
@@ -30,8 +30,8 @@ class _Parser(argparse.ArgumentParser):
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .models import DEFAULT, known
+    from autofit import __version__
+    from autofit.commands.models import DEFAULT, known
 
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help, --version
             return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
         debug = getattr(args, "debug", False)
-        from .models import ModelSpecError
+        from autofit.commands.models import ModelSpecError
         try:
             return args.func(args)
         except (UsageError, ModelSpecError) as e:

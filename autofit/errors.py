@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .sizes import format_size
+from autofit.sizes import format_size
 
 
 def one_line(error: BaseException) -> str:
@@ -27,7 +27,7 @@ class DoesNotFit(RuntimeError):
         if self.breakdown:
             label = "memory at the last failure" if self.attempts else \
                 f"estimated peak of the leanest plan ({plan.describe()})" if plan else "estimated peak"
-            from .memory import format_breakdown  # memory imports the simulator, which raises ours
+            from autofit.gpu.memory import format_breakdown  # memory imports the simulator, which raises ours
 
             lines.append(f"{label}: " + format_breakdown(self.breakdown, budget))
         if self.attempts:

@@ -2,7 +2,7 @@
 
 Nothing here imports autofit's internals: the plain loops are written out by hand, so a benchmark
 compares autofit against code that does not share its bugs. Tables are printed with
-`autofit.report.table` (plain text, no dependency).
+`autofit.diagnosis.report.table` (plain text, no dependency).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # `python benchmarks/x.py` from a checkout works without installing
     sys.path.insert(0, ROOT)
 
-from autofit.report import key_values, table  # noqa: E402  (after the path fix)
+from autofit.diagnosis.report import key_values, table  # noqa: E402  (after the path fix)
 
 THREADS = 1
 IGNORE_INDEX = -100

@@ -28,7 +28,7 @@ from datetime import timedelta
 import common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 
-from autofit.report import table
+from autofit.diagnosis.report import table
 
 WORLD = 2
 LIMIT_S = 10.0  # how much longer than a clean run a position may take to end, on both ranks
@@ -63,7 +63,7 @@ def _ddp_buckets() -> int:
     import autofit
     model = _model()
     with autofit.simulate_gpu() as gpu:
-        from autofit.device import SimulatedDevice
+        from autofit.gpu.device import SimulatedDevice
         SimulatedDevice(gpu).place_model(model)
         before = gpu.memory_allocated()
         ddp = torch.nn.parallel.DistributedDataParallel(model)

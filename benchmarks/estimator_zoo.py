@@ -24,14 +24,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the zoo's builders are shared
 
 from models import zoo  # noqa: E402
 
-from autofit.batches import batch_size, token_counter  # noqa: E402
-from autofit.device import SimulatedDevice  # noqa: E402
-from autofit.estimate import estimate  # noqa: E402
-from autofit.plan import Plan  # noqa: E402
-from autofit.simulate import simulate_gpu  # noqa: E402
+from autofit.engine.batches import batch_size, token_counter  # noqa: E402
+from autofit.gpu.device import SimulatedDevice  # noqa: E402
+from autofit.estimator.estimate import estimate  # noqa: E402
+from autofit.plans.plan import Plan  # noqa: E402
+from autofit.gpu.simulate import simulate_gpu  # noqa: E402
 from autofit.sizes import format_size  # noqa: E402
 from autofit.errors import one_line  # noqa: E402
-from autofit.step import StepRunner  # noqa: E402
+from autofit.engine.step import StepRunner  # noqa: E402
 
 
 def measured_peak(model, batch, plan) -> int:

@@ -5,7 +5,7 @@
 With CUDA, for BERT-base and GPT-2 (built from their configs, random weights), fp32 and bf16,
 checkpointing off and on, two batch sizes, two training steps each (AdamW):
 - the estimator's predicted peak against `torch.cuda.max_memory_allocated()`;
-- the caching-allocator model (autofit/allocator.py) replaying the step's own allocation trace
+- the caching-allocator model (autofit/gpu/allocator.py) replaying the step's own allocation trace
   (`torch.cuda.memory._record_memory_history`) against `torch.cuda.max_memory_reserved()`;
 then a run that runs out of memory under a memory fraction, recovered by autofit, against the same
 run on the simulated GPU (`caps="reserved"`): same final plan, same losses; and
@@ -26,11 +26,11 @@ import torch
 from common import print_environment, setup, table
 
 import autofit
-from autofit.allocator import CachingAllocator
-from autofit.device import CudaDevice, SimulatedDevice
-from autofit.plan import Plan
+from autofit.gpu.allocator import CachingAllocator
+from autofit.gpu.device import CudaDevice, SimulatedDevice
+from autofit.plans.plan import Plan
 from autofit.sizes import format_size
-from autofit.step import StepRunner
+from autofit.engine.step import StepRunner
 
 MiB = 2**20
 

@@ -15,7 +15,7 @@ Table 2: the same plain loop inside `autofit.simulate_gpu()` (counting every sto
 against outside it; and, for reference, `autofit.run` on a simulated GPU with no budget and with an
 ample budget (where the atomic optimizer step decides whether it needs a host snapshot).
 
-Table 3: what making every attempt start from the same state costs per step (autofit.replay's
+Table 3: what making every attempt start from the same state costs per step (autofit.engine.replay's
 StartState: capture of the RNG, the buffers, the param_groups and the batch, then the first
 attempt's begin and the release), timed alone on the same model, against the plain loop's step.
 `--replay-only` prints this table alone.
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
 
 def replay_cost(batches, repeats: int):
     """(median, best) seconds of one step's StartState work, and the plain step's median."""
-    from autofit.device import CpuDevice
-    from autofit.replay import StartState
+    from autofit.gpu.device import CpuDevice
+    from autofit.engine.replay import StartState
     model = build()
     model.train()
     opt = adamw(model.parameters())

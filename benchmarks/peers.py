@@ -243,7 +243,7 @@ def lightning_bsf(job, make_model, clock, run, init_val=2, steps_per_trial=3, ma
     data, n = job.data, rows(job.data)
     model = make_model()
     optimizer = clock.attach(adamw(model.parameters(), foreach=True))
-    gpu = autofit.simulate.active_gpu()
+    gpu = autofit.gpu.simulate.active_gpu()
     with torch.no_grad(), gpu.untracked():  # Lightning saves a checkpoint file: host memory
         saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
         saved_opt = optimizer.state_dict()

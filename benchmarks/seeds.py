@@ -11,7 +11,7 @@ Part 1, full size on fake tensors through the estimator (no GPU, no download, ra
      DistilGPT2's size (6 layers, 82 M parameters), batch 4 x 256, AdamW lr 1e-4 then a new AdamW
      lr 2e-6 with a linear warm-up schedule, as in the report's code.
   For each: the naive loop's predicted peak (the whole batch, fp32) against the budget, what autofit
-  chooses (`autofit.capacity.rank`: the fastest plan predicted to fit within 90% of the budget) and
+  chooses (`autofit.estimator.capacity.rank`: the fastest plan predicted to fit within 90% of the budget) and
   the memory by kind at the predicted peak.
 Part 2, small size with real compute on the simulated GPU (`autofit.simulate_gpu(budget)`: CPU
   tensors count against the budget and raise the real torch.OutOfMemoryError): the user's original
@@ -31,14 +31,14 @@ import torch
 from common import bert, cls_batches, gpt2, lm_batches, print_environment, setup, table
 
 import autofit  # noqa: E402  (common put the checkout on sys.path)
-from autofit.capacity import choose, needs_message, rank  # noqa: E402
-from autofit.device import SimulatedDevice  # noqa: E402
-from autofit.plan import Plan  # noqa: E402
+from autofit.estimator.capacity import choose, needs_message, rank  # noqa: E402
+from autofit.gpu.device import SimulatedDevice  # noqa: E402
+from autofit.plans.plan import Plan  # noqa: E402
 from autofit.sizes import format_size, parse_size  # noqa: E402
-from autofit.step import StepRunner  # noqa: E402
+from autofit.engine.step import StepRunner  # noqa: E402
 
 CONTEXT = parse_size("0.4GiB")  # the CUDA context: outside any tensor budget
-MARGIN = 0.9                     # autofit.start.MARGIN: room left for what the estimate misses
+MARGIN = 0.9                     # autofit.estimator.start.MARGIN: room left for what the estimate misses
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
@@ -348,8 +348,8 @@ def lm_two_phase_small():
 
 def leaks_small():
     """The answers' last suspicion: batches already on the GPU and tensors kept across steps."""
-    from autofit.leaks import LeakWatch
-    from autofit.run import RunResult
+    from autofit.diagnosis.leaks import LeakWatch
+    from autofit.recipes.run import RunResult
     print("Part 2C. The leaks the answers suspect (a DataLoader that put the data on the GPU; the loss "
           "kept without .item()), named by autofit (tiny BERT, 6 steps, simulated GPU)")
     kept = []
@@ -377,7 +377,7 @@ def leaks_small():
                 runner.run(batch, Plan(4))
                 watch.after_step(step, Plan(4), batch)
             findings = watch.findings
-            how = "autofit.leaks.LeakWatch driven after each step (autofit.run does not wire it yet)"
+            how = "autofit.diagnosis.leaks.LeakWatch driven after each step (autofit.run does not wire it yet)"
     print(f"  {how}:")
     for f in findings:
         print(f"  - {f['kind']} ({gib(f['bytes'])}): {f['culprit']}")

@@ -16,7 +16,7 @@ stalled at random as on a shared machine:
 
 The budget lets the whole global batch fit, so the default plan is the whole batch. After the
 repeats the load is stopped and every plan of the space is measured `--ref-rounds` more times,
-interleaved, with tune's own trial (`autofit.throughput.measure`): its median is the plan's
+interleaved, with tune's own trial (`autofit.tuning.throughput.measure`): its median is the plan's
 *reference* speed ("true" speed: as true as a shared machine allows). Each repeat's choice is then
 judged by the reference: the chosen plan's reference speed over the default plan's ("ref ratio"; <
 1 means tune chose a slower plan). The column "one round" is what the old method (every plan
@@ -44,9 +44,9 @@ from common import adamw, bert, cls_batches, print_environment, setup, table
 
 import autofit  # noqa: E402  (common put the checkout on sys.path)
 from autofit import tune  # noqa: E402
-from autofit.device import SimulatedDevice  # noqa: E402
-from autofit.throughput import Pristine, measure  # noqa: E402
-from autofit.tuning import MIN_GAIN  # noqa: E402
+from autofit.gpu.device import SimulatedDevice  # noqa: E402
+from autofit.tuning.throughput import Pristine, measure  # noqa: E402
+from autofit.tuning.tune import MIN_GAIN  # noqa: E402
 
 SEQ, HIDDEN = 32, 64
 

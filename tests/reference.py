@@ -3,8 +3,8 @@
 import torch
 
 import autofit
-from autofit.device import SimulatedDevice
-from autofit.step import StepRunner
+from autofit.gpu.device import SimulatedDevice
+from autofit.engine.step import StepRunner
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 

@@ -1,11 +1,11 @@
 """The caching-allocator model replays traces whose segment layouts were worked out by hand from the
-rules in autofit/allocator.py (PyTorch's CUDACachingAllocator, default configuration)."""
+rules in autofit/gpu/allocator.py (PyTorch's CUDACachingAllocator, default configuration)."""
 
 import pytest
 import torch
 
 from autofit import simulate_gpu
-from autofit.allocator import AllocationFailed, CachingAllocator, round_size, segment_size
+from autofit.gpu.allocator import AllocationFailed, CachingAllocator, round_size, segment_size
 
 KiB, MiB = 1 << 10, 1 << 20
 

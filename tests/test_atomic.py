@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import autofit
-from autofit.atomic import AtomicStep, PartialUpdateError
-from autofit.device import SimulatedDevice
-from autofit.offload import Offloaded
+from autofit.engine.atomic import AtomicStep, PartialUpdateError
+from autofit.gpu.device import SimulatedDevice
+from autofit.engine.offload import Offloaded
 
 
 def _setup(gpu, steps_before: int, model=None):
@@ -142,7 +142,7 @@ class _FaultyAdamW(torch.optim.AdamW):
 
 
 def _simulated_fault(index):
-    gpu = autofit.simulate.active_gpu()
+    gpu = autofit.gpu.simulate.active_gpu()
     gpu.fail_at(None if index is None else gpu.allocation_count + index)
     return _Counting(lambda: gpu.allocation_count)
 
@@ -227,7 +227,7 @@ def test_a_fault_at_every_allocation_of_a_step_in_a_run_never_replays_a_partial_
     and replayed once (AdamW's counters end at 3, parameters as without the fault); unguarded
     (a step whose measured need fitted, or the plain CPU, which cannot tell), the run stops with
     PartialUpdateError and the step is never called again on top of its partial update."""
-    from autofit.oom import is_oom
+    from autofit.gpu.oom import is_oom
     clean_model, _, result, made = _fault_run(path, call=2, index=None if path == "simulated" else -1)
     assert isinstance(result, autofit.RunResult) and made[0].calls == 3
     count = _Counting.last if path == "simulated" else _CpuFault.last

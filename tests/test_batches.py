@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import BatchEncoding, XLNetConfig, XLNetLMHeadModel
 
-from autofit.batches import IGNORE_INDEX, batch_size, dataset_batches, slice_batch, split, token_counter, weights
+from autofit.engine.batches import IGNORE_INDEX, batch_size, dataset_batches, slice_batch, split, token_counter, weights
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 Pair = collections.namedtuple("Pair", ["inputs", "targets"])
@@ -195,7 +195,7 @@ def tiny_xlnet():
     (tiny_xlnet, lambda: gpt2_batch(rows=5, seq=8)),
 ], ids=["gpt2", "bert", "xlnet"])
 def test_weighted_micro_batch_losses_equal_the_full_batch_loss(make_model, make_batch):
-    # BUG for xlnet (autofit/batches.py:85-87): _is_causal_lm treats every class name ending in
+    # BUG for xlnet (autofit/engine/batches.py:85-87): _is_causal_lm treats every class name ending in
     # "LMHeadModel" as shifting its labels, but XLNetLMHeadModel (and XLMWithLMHeadModel,
     # FlaubertWithLMHeadModel) compute cross-entropy on unshifted labels, so the first label counts
     # and the weights are wrong: here the combined loss is off by ~5e-4.
@@ -233,7 +233,7 @@ def test_dataset_batches_in_order_with_a_shorter_last_batch():
 
 import numpy as np  # noqa: E402
 
-from autofit.batches import per_row_fields, row_elements  # noqa: E402
+from autofit.engine.batches import per_row_fields, row_elements  # noqa: E402
 
 
 def test_default_collate_text_fields_reach_micro_batches_with_their_rows():

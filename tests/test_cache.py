@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from autofit.cache import APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION, PlanCache, default_path
-from autofit.plan import Plan
+from autofit.cache.store import APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION, PlanCache, default_path
+from autofit.plans.plan import Plan
 
 FIELDS = {"model": {"class": "m.M", "params": "ab" * 32, "n_params": 10}, "global_batch": 32}
 
@@ -24,7 +24,7 @@ def corrupt_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "autofit.cache" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "autofit.cache.store" and r.levelno == logging.WARNING]
 
 
 def test_round_trip(tmp_path):
@@ -88,7 +88,7 @@ def test_corrupt_file_is_moved_aside(tmp_path, caplog):
     garbage = os.urandom(8192)
     path.write_bytes(garbage)
     cache = PlanCache(path)
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert cache.get("k") is None
     [moved] = corrupt_files(path)
     assert moved.read_bytes() == garbage
@@ -103,7 +103,7 @@ def test_corrupt_file_is_moved_aside(tmp_path, caplog):
 def test_corrupt_file_found_by_put(tmp_path, caplog):
     path = tmp_path / "plans.sqlite"
     path.write_bytes(b"not a database at all")
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         PlanCache(path).put("k", FIELDS, entry())
     [moved] = corrupt_files(path)
     assert moved.read_bytes() == b"not a database at all"
@@ -126,7 +126,7 @@ def test_corrupt_pages_are_moved_aside(tmp_path, caplog, found_by):
     assert len(data) > 4 * page
     data[2 * page:len(data)] = os.urandom(len(data) - 2 * page)  # keep the header and schema page
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         if found_by == "entries":
             assert cache.entries() == []
         else:
@@ -148,7 +148,7 @@ def test_foreign_sqlite_is_moved_aside(tmp_path, caplog):
     conn.close()
     original = path.read_bytes()
     cache = PlanCache(path)
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert cache.get("k") is None
     [moved] = corrupt_files(path)
     assert moved.read_bytes() == original
@@ -167,7 +167,7 @@ def test_our_marks_with_another_schema_are_moved_aside(tmp_path, caplog):
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     conn.commit()
     conn.close()
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert PlanCache(path).entries() == []
     assert len(corrupt_files(path)) == 1
     [message] = warnings_of(caplog)
@@ -182,7 +182,7 @@ def test_newer_schema_is_ignored_not_moved(tmp_path, caplog):
     conn.commit()
     conn.close()
     cache = PlanCache(path)
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert cache.get("k") is None
         cache.put("k2", FIELDS, entry())
     assert corrupt_files(path) == []
@@ -228,7 +228,7 @@ def test_a_file_with_only_optunas_tables_is_shared_not_foreign(tmp_path, caplog,
     path = tmp_path / "plans.sqlite"
     make_tables(path, names)
     cache = PlanCache(path)
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert cache.get("k") is None  # reading adds nothing
         assert tables_of(path) == sorted(names)
         cache.put("k", FIELDS, entry())
@@ -249,7 +249,7 @@ def test_a_file_with_only_optunas_tables_is_shared_not_foreign(tmp_path, caplog,
 def test_optunas_tables_do_not_make_a_foreign_file_ours(tmp_path, caplog, names, application_id):
     path = tmp_path / "plans.sqlite"
     make_tables(path, names, application_id)
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert PlanCache(path).get("k") is None
     assert len(corrupt_files(path)) == 1
     [message] = warnings_of(caplog)
@@ -278,7 +278,7 @@ def test_optuna_and_the_plan_cache_share_one_file_in_either_order(tmp_path, capl
         study.enqueue_trial({"x": 1.0})
         study.optimize(lambda t: t.suggest_float("x", 0, 2), n_trials=1)
 
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         if optuna_first:
             study_with_a_trial()
             cache.put("k", FIELDS, entry())
@@ -322,7 +322,7 @@ def test_bad_row_is_ignored_and_reported(tmp_path, caplog, column, text, problem
     conn.execute(f"UPDATE plans SET {column} = ? WHERE key = 'bad'", (text,))
     conn.commit()
     conn.close()
-    with caplog.at_level(logging.WARNING, logger="autofit.cache"):
+    with caplog.at_level(logging.WARNING, logger="autofit.cache.store"):
         assert cache.get("bad") is None
         assert cache.get_plan("bad") is None
         assert [e["key"] for e in cache.entries()] == ["good"]

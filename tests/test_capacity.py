@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from autofit.capacity import (CHECKPOINT_COST, MIXED_PRECISION_COST, OFFLOAD_COST, Candidate,
+from autofit.estimator.capacity import (CHECKPOINT_COST, MIXED_PRECISION_COST, OFFLOAD_COST, Candidate,
                               candidate_plans, choose, micro_batch_sizes, needs_message, plan_cost,
                               rank)
-from autofit.device import SimulatedDevice
-from autofit.estimate import estimate
-from autofit.plan import Plan
-from autofit.simulate import round_bytes, simulate_gpu
+from autofit.gpu.device import SimulatedDevice
+from autofit.estimator.estimate import estimate
+from autofit.plans.plan import Plan
+from autofit.gpu.simulate import round_bytes, simulate_gpu
 from autofit.sizes import format_size
-from autofit.step import StepRunner
+from autofit.engine.step import StepRunner
 from test_estimate import gpt2, gpt2_batch, simulated_peak
 
 ROWS = 16

@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 
-from autofit.checkpointing import Checkpointing, largest_block_list
+from autofit.engine.checkpointing import Checkpointing, largest_block_list
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 
@@ -97,7 +97,7 @@ def test_plain_model_blocks_are_wrapped_and_gradients_do_not_change():
 
 
 def test_without_grad_blocks_run_directly(monkeypatch):
-    import autofit.checkpointing as module
+    import autofit.engine.checkpointing as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint() called without grad")
@@ -124,7 +124,7 @@ def test_plain_model_switched_off_and_on_again():
 
 
 def test_restore_keeps_a_forward_that_was_set_on_the_instance_before():
-    # BUG (autofit/checkpointing.py:77-91, Checkpointing.set): switching off does `del block.forward`,
+    # BUG (autofit/engine/checkpointing.py:77-91, Checkpointing.set): switching off does `del block.forward`,
     # which drops every instance-level forward, not only autofit's wrapper. A forward patched on the
     # instance before autofit came (accelerate's hooks, a user's wrapper) is lost after restore().
     # Fix: remember each block's previous `vars(block).get("forward")` and put it back (or delete the

@@ -7,9 +7,9 @@ import torch
 
 from autofit import cli
 from autofit.commands import probe
-from autofit.cache import PlanCache
+from autofit.cache.store import PlanCache
 from autofit.cli import main
-from autofit.plan import Plan
+from autofit.plans.plan import Plan
 
 KNOWN = "bert-base, distilbert, gpt2, tiny-bert, tiny-gpt2"
 TINY = ["--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16"]
@@ -24,7 +24,7 @@ def no_cuda(monkeypatch, tmp_path):
 
 USER_MODULE = """
     import torch
-    from autofit.models import load
+    from autofit.commands.models import load
     def boom():
         raise RuntimeError("boom")
     def wrong():
@@ -309,8 +309,8 @@ MiB = 2**20
 
 
 def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib):
-    from autofit.capacity import Candidate
-    from autofit.estimate import MemoryEstimate
+    from autofit.estimator.capacity import Candidate
+    from autofit.estimator.estimate import MemoryEstimate
     plan = Plan(micro, accum, precision)
     breakdown = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
                  "activations": activations_mib * MiB, "other": (peak_mib - 400 - activations_mib) * MiB}
@@ -319,7 +319,7 @@ def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib):
 
 def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     """The CLI's own part, exactly: the table, the mark on the fastest fitting plan, its breakdown."""
-    from autofit import capacity
+    from autofit.estimator import capacity
     calls = []
     ranked = [candidate(32, 1, "fp32", 900, False, 1.0, 480), candidate(16, 2, "fp32", 700, True, 1.0303, 290),
               candidate(8, 4, "bf16", 500, True, 1.2545, 96)]
@@ -533,7 +533,7 @@ def test_corrupt_cache_is_reported_not_trusted(capsys, tmp_path):
 # -- the table formatter the CLI prints with ------------------------------------------------------
 
 def test_table_aligns_numbers_right_and_text_left():
-    from autofit.report import key_values, table
+    from autofit.diagnosis.report import key_values, table
     assert table(["plan", "micro", "peak", "fits"],
                  [["micro 8 x 4", 8, 1.5, True], ["micro 16 x 2", 16, None, False]]).splitlines() == [
         "plan          micro  peak  fits",
@@ -552,7 +552,7 @@ def test_table_aligns_numbers_right_and_text_left():
     (["a", "b"], [["x", 1]], "lx", "align must have one 'l' or 'r' per column (2) but got 'lx'."),
 ])
 def test_table_errors(headers, rows, align, message):
-    from autofit.report import table
+    from autofit.diagnosis.report import table
     with pytest.raises(ValueError) as info:
         table(headers, rows, align=align)
     assert str(info.value) == message

@@ -1,4 +1,4 @@
-"""Batch-coupled layers are never silent (autofit/coupling.py)."""
+"""Batch-coupled layers are never silent (autofit/plans/coupling.py)."""
 
 import logging
 import re
@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import autofit
-from autofit.coupling import Coupling, coupled_modules
-from autofit.ladder import SizeLog
-from autofit.plan import Plan
+from autofit.plans.coupling import Coupling, coupled_modules
+from autofit.plans.ladder import SizeLog
+from autofit.plans.plan import Plan
 
 
 def cnn(seed=0):
@@ -182,7 +182,7 @@ class Tracking(nn.Module):
 
 
 def test_phase_first_moves_stay_and_keep_the_batch_whole():
-    from autofit.ladder import offers
+    from autofit.plans.ladder import offers
     ladder = Coupling(cnn()).ladder(SizeLog(), "fp32", True)
     plan = Plan.for_batch(16)
     assert [m(plan).per_parameter_step or m(plan).offload_optimizer for m in offers(ladder, "optimizer.step")[:2]] \

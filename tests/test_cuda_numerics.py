@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import BertConfig, BertForSequenceClassification
 
-from autofit.cuda_numerics import POLICIES, _overload, numerics_as_on_cuda
-from autofit.estimate import Estimator
-from autofit.plan import Plan
+from autofit.estimator.cuda_numerics import POLICIES, _overload, numerics_as_on_cuda
+from autofit.estimator.estimate import Estimator
+from autofit.plans.plan import Plan
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from autofit.device import CpuDevice, Device, SimulatedDevice, describe_tensors, open_device
-from autofit.simulate import active_gpu, simulate_gpu
+from autofit.gpu.device import CpuDevice, Device, SimulatedDevice, describe_tensors, open_device
+from autofit.gpu.simulate import active_gpu, simulate_gpu
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="open_device picks the CUDA card here")
 

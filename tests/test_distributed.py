@@ -160,7 +160,7 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     import autofit
-    from autofit.cache import PlanCache
+    from autofit.cache.store import PlanCache
     from reference import bert, cls_batches, gpt2, lm_batches
 
     batches = cls_batches(3, rows=GLOBAL)
@@ -317,9 +317,9 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
 # -- the parent ------------------------------------------------------------------------------
 def _second_step_peak(rows: int, micro: int) -> int:
     import autofit
-    from autofit.device import SimulatedDevice
-    from autofit.plan import Plan
-    from autofit.step import StepRunner
+    from autofit.gpu.device import SimulatedDevice
+    from autofit.plans.plan import Plan
+    from autofit.engine.step import StepRunner
     from reference import bert, cls_batches
 
     batch = {k: v[:rows] for k, v in cls_batches(1, rows=GLOBAL)[0].items()}
@@ -339,7 +339,7 @@ def ranks(tmp_path_factory):
     from reference import bert
     out = tmp_path_factory.mktemp("distributed")
     local = GLOBAL // WORLD
-    from autofit.simulate import round_bytes
+    from autofit.gpu.simulate import round_bytes
     # A user's DDP keeps one bucket holding a copy of the gradients (the model is below 1 MiB).
     ddp_buckets = round_bytes(sum(p.numel() * p.element_size() for p in bert().parameters()))
     # Rank 1 fits 8 of its 16 rows at once but not 12; rank 0 fits all 16.

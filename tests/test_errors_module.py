@@ -37,12 +37,12 @@ def test_every_exception_class_of_errors_is_exported():
 
 
 def test_old_import_paths_still_work():
-    from autofit.allocator import AllocationFailed
+    from autofit.gpu.allocator import AllocationFailed
     from autofit.commands import UsageError
-    from autofit.distributed import LockstepError, PeerOutOfMemory, RankFailed
-    from autofit.evaluate import MetricError
-    from autofit.models import ModelSpecError
-    from autofit.step import NoLossError
+    from autofit.distributed.lockstep import LockstepError, PeerOutOfMemory, RankFailed
+    from autofit.recipes.evaluate import MetricError
+    from autofit.commands.models import ModelSpecError
+    from autofit.engine.step import NoLossError
 
     assert (AllocationFailed, UsageError, LockstepError, PeerOutOfMemory, RankFailed, MetricError,
             ModelSpecError, NoLossError) == (

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from autofit.batches import token_counter
-from autofit.device import SimulatedDevice
-from autofit.estimate import Estimator, MemoryEstimate, estimate
-from autofit.memory import KINDS, format_breakdown
-from autofit.plan import Plan
-from autofit.simulate import round_bytes, simulate_gpu
-from autofit.step import StepRunner
+from autofit.engine.batches import token_counter
+from autofit.gpu.device import SimulatedDevice
+from autofit.estimator.estimate import Estimator, MemoryEstimate, estimate
+from autofit.gpu.memory import KINDS, format_breakdown
+from autofit.plans.plan import Plan
+from autofit.gpu.simulate import round_bytes, simulate_gpu
+from autofit.engine.step import StepRunner
 
 VOCAB = 200
 
@@ -153,8 +153,8 @@ def test_host_memory_does_not_grow_by_the_model_size():
     # A subprocess, so the peak resident set is this test's alone.
     script = textwrap.dedent("""
         import resource, torch
-        from autofit.estimate import estimate
-        from autofit.plan import Plan
+        from autofit.estimator.estimate import estimate
+        from autofit.plans.plan import Plan
         from torch.nn.utils import skip_init  # no initialisation: fast; a copy would still show
         model = torch.nn.Sequential(*[skip_init(torch.nn.Linear, 2048, 2048) for _ in range(24)])
         size = sum(p.numel() * p.element_size() for p in model.parameters())

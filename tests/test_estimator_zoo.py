@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 import autofit
-from autofit import capacity
-from autofit.batches import token_counter
-from autofit.device import SimulatedDevice
-from autofit.data_dependent import TORCH_LOGGERS
-from autofit.estimate import estimate
-from autofit.plan import Plan
-from autofit.simulate import simulate_gpu
-from autofit.step import StepRunner
+from autofit.estimator import capacity
+from autofit.engine.batches import token_counter
+from autofit.gpu.device import SimulatedDevice
+from autofit.estimator.data_dependent import TORCH_LOGGERS
+from autofit.estimator.estimate import estimate
+from autofit.plans.plan import Plan
+from autofit.gpu.simulate import simulate_gpu
+from autofit.engine.step import StepRunner
 from models import zoo
 
 # -- helpers ------------------------------------------------------------------------------------

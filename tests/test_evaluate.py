@@ -3,12 +3,12 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
 
 import autofit
-from autofit.device import open_device
+from autofit.gpu.device import open_device
 from autofit.errors import DoesNotFit
-from autofit.eval_data import check_eval_data
-from autofit.evaluate import EvalAttempt, EvalResult, EvalSizer, MetricError, evaluate
-from autofit.plan import Plan
-from autofit.step import NoLossError, StepRunner
+from autofit.recipes.eval_data import check_eval_data
+from autofit.recipes.evaluate import EvalAttempt, EvalResult, EvalSizer, MetricError, evaluate
+from autofit.plans.plan import Plan
+from autofit.engine.step import NoLossError, StepRunner
 
 BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
             vocab_size=100, max_position_embeddings=64, hidden_dropout_prob=0,

@@ -3,12 +3,12 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 import autofit
-from autofit.controller import Attempt
+from autofit.engine.controller import Attempt
 from autofit.errors import DoesNotFit
-from autofit.evaluate import EvalAttempt, EvalResult
-from autofit.explain import explain, fixes_for
-from autofit.plan import Plan
-from autofit.run import RunResult
+from autofit.recipes.evaluate import EvalAttempt, EvalResult
+from autofit.diagnosis.explain import explain, fixes_for
+from autofit.plans.plan import Plan
+from autofit.recipes.run import RunResult
 
 MiB, GiB = 2**20, 2**30
 OOM = "CUDA out of memory. Tried to allocate 120.00 MiB."

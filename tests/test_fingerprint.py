@@ -6,7 +6,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 from transformers.tokenization_utils_base import BatchEncoding
 
-from autofit.fingerprint import batch_signature, job_key, model_fingerprint
+from autofit.cache.fingerprint import batch_signature, job_key, model_fingerprint
 
 
 def tiny_bert(**overrides):
@@ -99,7 +99,7 @@ def test_each_field_changes_the_key():
 
 def test_versions_change_the_key(monkeypatch):
     base = key_of()
-    monkeypatch.setattr("autofit.fingerprint.autofit_version", lambda: "99.0")
+    monkeypatch.setattr("autofit.cache.fingerprint.autofit_version", lambda: "99.0")
     assert key_of() != base
 
 

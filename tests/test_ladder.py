@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 
-from autofit.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
+from autofit.plans.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
                             checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer,
                             step_down)
-from autofit.plan import Plan
+from autofit.plans.plan import Plan
 
 SHRINK_8 = "smaller micro-batch, more accumulation (not below 8)"
 SHRINK_1 = "smaller micro-batch, more accumulation (not below 1)"
@@ -485,8 +485,8 @@ def test_no_move_raises_whatever_the_model_shape(name, blocks):
 
 
 def test_offers_that_do_not_apply_name_their_reason():
-    from autofit.applies import not_applicable
-    from autofit.device import CpuDevice
+    from autofit.plans.applies import not_applicable
+    from autofit.gpu.device import CpuDevice
 
     class NoBf16(CpuDevice):
         def supports_bf16(self):
@@ -515,7 +515,7 @@ def test_offers_that_do_not_apply_name_their_reason():
         "a per-parameter optimizer step does not apply: AdamW is fused (one kernel per step, no "
         "foreach temporaries)")
     # A ladder of moves that do not apply: each skipped, the first that does is taken.
-    from autofit.ladder import step_down
+    from autofit.plans.ladder import step_down
     ladder = Either(mixed_precision("bf16"), checkpointing(), ShrinkMicroBatch(SizeLog()))
     new, why, skipped = step_down(ladder, P(8), applies=lambda plan: not_applicable(plan, model, adamw,
                                                                                       NoBf16()))

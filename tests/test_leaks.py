@@ -1,4 +1,4 @@
-"""autofit.leaks: each leak pattern of the seeds is found, named (what holds it, shape, bytes) and fixed.
+"""autofit.diagnosis.leaks: each leak pattern of the seeds is found, named (what holds it, shape, bytes) and fixed.
 
 The patterns are driven the way a run drives them: a `StepRunner` trains global batches on the
 simulated GPU and `LeakWatch.after_step` is called after each one. The last tests run them through
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import autofit
-from autofit.device import CpuDevice, SimulatedDevice
-from autofit.explain import explain
-from autofit.leaks import (FIX_BATCH, FIX_GROWTH, FIX_LOSS, FIX_NODE, FIX_OPTIMIZER, FIX_OUTPUT,
+from autofit.gpu.device import CpuDevice, SimulatedDevice
+from autofit.diagnosis.explain import explain
+from autofit.diagnosis.leaks import (FIX_BATCH, FIX_GROWTH, FIX_LOSS, FIX_NODE, FIX_OPTIMIZER, FIX_OUTPUT,
                            FIX_TENSOR, LeakWatch, batch_on_device)
-from autofit.plan import Plan
-from autofit.run import RunResult
-from autofit.step import StepRunner
+from autofit.plans.plan import Plan
+from autofit.recipes.run import RunResult
+from autofit.engine.step import StepRunner
 from reference import bert, cls_batches, storage_bytes
 
 MODULE = __name__
@@ -87,7 +87,7 @@ def test_loss_appended_without_item_is_named_with_its_list_shape_bytes_and_fix(c
         "fix": FIX_LOSS}]
     assert "append loss.item()" in FIX_LOSS
     assert scans == 2  # after the first step (something beyond training state), and at the growth
-    messages = [r.getMessage() for r in caplog.records if r.name == "autofit.leaks"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "autofit.diagnosis.leaks"]
     assert [m.split(":")[0] for m in messages] == ["leak found (graph-kept)", "leak keeps growing (graph-kept)"]
     assert f"the global `LOSSES` of module {MODULE}: a list of 1 tensor with grad_fn=<NllLossBackward0> " \
         f"(float32[]), 512 bytes. Fix: append loss.item()" in messages[0]

@@ -1,4 +1,4 @@
-"""autofit.models: spec strings -> (model, sample batch); built on meta, errors in one line."""
+"""autofit.commands.models: spec strings -> (model, sample batch); built on meta, errors in one line."""
 
 import time
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from autofit.models import BUILTINS, DEFAULT, ModelSpecError, load
+from autofit.commands.models import BUILTINS, DEFAULT, ModelSpecError, load
 
 KNOWN = "bert-base, distilbert, gpt2, tiny-bert, tiny-gpt2"
 

@@ -3,9 +3,9 @@ import gc
 import pytest
 import torch
 
-from autofit.device import CpuDevice, SimulatedDevice
-from autofit.oom import is_oom, release, summarize
-from autofit.simulate import simulate_gpu
+from autofit.gpu.device import CpuDevice, SimulatedDevice
+from autofit.gpu.oom import is_oom, release, summarize
+from autofit.gpu.simulate import simulate_gpu
 
 # Written out here, not read from the module, so dropping one from OOM_MESSAGES fails a test.
 @pytest.fixture(autouse=True)
@@ -238,7 +238,7 @@ def test_raise_from_none_inside_an_oom_handler_is_not_an_oom(message):
 
 
 def test_a_partial_update_is_never_an_oom():
-    from autofit.atomic import PartialUpdateError
+    from autofit.engine.atomic import PartialUpdateError
     error = PartialUpdateError("the optimizer step ran out of memory part-way (CUDA out of memory. "
                                "Tried to allocate 2.00 MiB)")
     assert is_oom(error) is False

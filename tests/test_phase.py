@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autofit
-from autofit.explain import fixes_for
+from autofit.diagnosis.explain import fixes_for
 
 BUDGET = 1_900_000  # bytes: forward/backward and a per-parameter AdamW step fit, a foreach step does not
 
@@ -103,7 +103,7 @@ class _FailIn:
     def arm_next_allocation(self):
         if not self.done:
             self.done = True
-            gpu = autofit.simulate.active_gpu()
+            gpu = autofit.gpu.simulate.active_gpu()
             gpu.fail_at(gpu.allocation_count)
 
     def optimizer(self, params):
@@ -126,7 +126,7 @@ class _FailIn:
 ])
 def test_the_attempt_records_its_phase_and_the_ladder_answers_it(phase, first_move, monkeypatch):
     # Every step guarded, as when free memory is short: an injected OOM inside step() is undone.
-    monkeypatch.setattr(autofit.atomic.AtomicStep, "at_risk", lambda self, key: True)
+    monkeypatch.setattr(autofit.engine.atomic.AtomicStep, "at_risk", lambda self, key: True)
     model = _mlp()
     fault = _FailIn(model, phase)
     result = _run(model, rows=16, optimizer=fault.optimizer, precision="fp32", budget="64MiB")

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from autofit.plan import PRECISIONS, Plan
+from autofit.plans.plan import PRECISIONS, Plan
 
 
 def test_defaults_and_fields():
@@ -76,7 +76,7 @@ def test_for_batch_passes_other_fields():
     lambda: Plan(micro_batch_size=4).with_micro_batch(0, 10),
 ], ids=["for_batch(0)", "for_batch(10, 0)", "with_micro_batch(0, 10)"])
 def test_zero_sizes_are_refused_with_a_value_error(make):
-    # BUG (autofit/plan.py:41-42 and 53-54): for_batch(0) and with_micro_batch(0, 10) raise
+    # BUG (autofit/plans/plan.py:41-42 and 53-54): for_batch(0) and with_micro_batch(0, 10) raise
     # ZeroDivisionError from math.ceil(global_batch / 0); for_batch(10, 0) silently treats 0 as
     # "no micro-batch given" (`micro_batch_size or global_batch`) and returns a 10 x 1 plan.
     with pytest.raises(ValueError, match=r"\b0\b"):

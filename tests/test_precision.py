@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-import autofit.capacity
-import autofit.plan
-from autofit import precision
-from autofit.capacity import plan_cost
-from autofit.ladder import mixed_precision
-from autofit.plan import Plan
+import autofit.estimator.capacity
+import autofit.plans.plan
+from autofit.plans import precision
+from autofit.estimator.capacity import plan_cost
+from autofit.plans.ladder import mixed_precision
+from autofit.plans.plan import Plan
 
 
 def test_registry_facts():
@@ -17,7 +17,7 @@ def test_registry_facts():
     assert rows == [("fp32", None, False, False, 1.0, None, "no"),
                     ("bf16", torch.bfloat16, True, False, 1.15, "bf16", "bf16"),
                     ("fp16", torch.float16, True, True, 1.15, "fp16", "fp16")]
-    assert precision.PRECISIONS == ("fp32", "bf16", "fp16") == autofit.plan.PRECISIONS
+    assert precision.PRECISIONS == ("fp32", "bf16", "fp16") == autofit.plans.plan.PRECISIONS
     assert precision.MIXED == ("bf16", "fp16")
 
 
@@ -36,4 +36,4 @@ def test_capacity_reads_the_cost_from_the_registry(monkeypatch):
     monkeypatch.setitem(precision.REGISTRY, "bf16",
                         precision.Precision("bf16", torch.bfloat16, False, 2.0, "bf16", "bf16"))
     assert plan_cost(Plan(32, precision="bf16"), 32) == 2.0
-    assert plan_cost(Plan(32, precision="fp16"), 32) == autofit.capacity.MIXED_PRECISION_COST == 1.15
+    assert plan_cost(Plan(32, precision="fp16"), 32) == autofit.estimator.capacity.MIXED_PRECISION_COST == 1.15

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from autofit.device import CpuDevice, SimulatedDevice
-from autofit.optimizers import needs_closure
-from autofit.reading import Epochs, rng_untouched
-from autofit.replay import StartState, fresh
+from autofit.gpu.device import CpuDevice, SimulatedDevice
+from autofit.engine.optimizers import needs_closure
+from autofit.engine.reading import Epochs, rng_untouched
+from autofit.engine.replay import StartState, fresh
 
 
 class WithBuffers(torch.nn.Module):

@@ -8,8 +8,8 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 import autofit
-from autofit.ladder import checkpointing, offload_optimizer
-from autofit.plan import Plan
+from autofit.plans.ladder import checkpointing, offload_optimizer
+from autofit.plans.plan import Plan
 from reference import bert, cls_batches, gpt2, lm_batches, max_diff, plain_loop
 from reference import second_step_peak as reference_peak
 

@@ -9,7 +9,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 import autofit
-from autofit.ladder import offload_optimizer
+from autofit.plans.ladder import offload_optimizer
 from reference import bert, plain_loop, plain_loop_fn
 
 
@@ -248,8 +248,8 @@ def test_every_optimizer_under_offload_matches_the_plain_loop(name):
 
 
 def test_offload_keeps_a_subclass_and_its_own_arguments():
-    from autofit.device import CpuDevice
-    from autofit.offload import Offloaded
+    from autofit.gpu.device import CpuDevice
+    from autofit.engine.offload import Offloaded
     model = mlp()
     opt = CountingClipSGD(model.parameters(), lr=0.1, max_norm=0.002, foreach=True)
     offloaded = Offloaded(opt, CpuDevice())

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autofit.estimate import estimate
-from autofit.plan import Plan
+from autofit.estimator.estimate import estimate
+from autofit.plans.plan import Plan
 from models import zoo
 from test_estimator_zoo import simulated_peak
 

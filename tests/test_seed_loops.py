@@ -16,9 +16,9 @@ from torch.optim import AdamW
 from transformers import get_linear_schedule_with_warmup
 
 import autofit
-from autofit.device import SimulatedDevice
-from autofit.plan import Plan
-from autofit.step import StepRunner
+from autofit.gpu.device import SimulatedDevice
+from autofit.plans.plan import Plan
+from autofit.engine.step import StepRunner
 from reference import bert, cls_batches, max_diff
 
 

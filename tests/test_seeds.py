@@ -17,8 +17,8 @@ from torch.optim import AdamW
 from transformers import get_linear_schedule_with_warmup
 
 import autofit
-from autofit.device import SimulatedDevice
-from autofit.plan import Plan
+from autofit.gpu.device import SimulatedDevice
+from autofit.plans.plan import Plan
 from reference import bert, cls_batches, max_diff, model_bytes, plain_loop, storage_bytes
 from reference import second_step_peak as reference_peak
 

@@ -4,8 +4,8 @@ import re
 import pytest
 import torch
 
-from autofit.oom import is_oom
-from autofit.simulate import ROUNDING, SimulatedGPU, active_gpu, round_bytes, simulate_gpu
+from autofit.gpu.oom import is_oom
+from autofit.gpu.simulate import ROUNDING, SimulatedGPU, active_gpu, round_bytes, simulate_gpu
 
 
 @pytest.mark.parametrize("nbytes, rounded", [(0, 0), (1, 512), (511, 512), (512, 512), (513, 1024),
@@ -100,7 +100,7 @@ def test_in_place_growth_of_a_counted_tensor_is_counted():
 
 
 def test_empty_tensors_made_inside_and_grown_later_are_counted():
-    # BUG (autofit/simulate.py:123-128): a 0-byte storage is never entered in `_live` (`if nbytes`),
+    # BUG (autofit/gpu/simulate.py:123-128): a 0-byte storage is never entered in `_live` (`if nbytes`),
     # so when it grows in place (resize_, or any `out=` op, which resizes an empty out tensor) its
     # storage is an input of the op, and `key in given` takes it for memory made outside the
     # simulation: the 4096 bytes below are never counted and never checked against the budget.

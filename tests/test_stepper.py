@@ -7,8 +7,8 @@ import torch
 
 import autofit
 import stepper_ranks
-from autofit.ladder import checkpointing, offload_optimizer
-from autofit.plan import Plan
+from autofit.plans.ladder import checkpointing, offload_optimizer
+from autofit.plans.plan import Plan
 from reference import bert, cls_batches, max_diff, model_bytes, second_step_peak, storage_bytes
 
 

@@ -1,4 +1,4 @@
-"""Token-level losses are exact however the loss is given (autofit/token_loss.py)."""
+"""Token-level losses are exact however the loss is given (autofit/engine/token_loss.py)."""
 
 import logging
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autofit
-from autofit.device import CpuDevice
-from autofit.token_loss import forward_takes_items, loss_fn_takes_items, loss_weighting, unwrap
+from autofit.gpu.device import CpuDevice
+from autofit.engine.token_loss import forward_takes_items, loss_fn_takes_items, loss_weighting, unwrap
 from reference import gpt2, lm_batches, max_diff, plain_loop
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
@@ -159,7 +159,7 @@ def test_a_loss_fn_over_a_plain_model_counts_labels_or_rows():
 
 
 def test_evaluation_counts_the_labels_of_a_wrapped_causal_lm_shifted():
-    from autofit.batches import token_counter
+    from autofit.engine.batches import token_counter
     batch = gpt2_batch(rows=4, seq=8)
     batch["labels"] = batch["input_ids"].clone()
     assert token_counter(Compiled(tiny_gpt2()))(batch) == 4 * 7

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autofit
-from autofit.cache import PlanCache
-from autofit.simulate import active_gpu
+from autofit.cache.store import PlanCache
+from autofit.gpu.simulate import active_gpu
 
 
 def _mlp():
@@ -75,7 +75,7 @@ def test_one_transient_fault_leaves_the_plan_and_the_cache_of_a_fault_free_run(t
 
 
 def test_a_failure_that_survives_its_retry_counts_then_expires(monkeypatch):
-    monkeypatch.setattr(autofit.controller, "EXPIRE_AFTER", 2)
+    monkeypatch.setattr(autofit.engine.controller, "EXPIRE_AFTER", 2)
     model = _mlp()
     _faults_at(model, {3, 4})  # step 2 and its retry
 

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 import autofit
-from autofit.cache import APPLICATION_ID, PlanCache
-from autofit.plan import Plan
-from autofit.study import TuneTrial
+from autofit.cache.store import APPLICATION_ID, PlanCache
+from autofit.plans.plan import Plan
+from autofit.tuning.study import TuneTrial
 from models import bert_batch, tiny_bert
 from reference import second_step_peak
 
-# `autofit.tune` is the function; its module is autofit.tuning.
-tune_module = importlib.import_module("autofit.tuning")
-throughput = importlib.import_module("autofit.throughput")
+# `autofit.tune` is the function; its module is autofit.tuning.tune.
+tune_module = importlib.import_module("autofit.tuning.tune")
+throughput = importlib.import_module("autofit.tuning.throughput")
 tune = tune_module.tune
-verdict = importlib.import_module("autofit.verdict").verdict
+verdict = importlib.import_module("autofit.tuning.verdict").verdict
 
 ROWS = 16
 # The plans for tiny_bert, global batch 16 x 16, on a budget where fp32 fits micro-batch 8 but not 16

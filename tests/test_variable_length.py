@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import autofit
-from autofit.plan import Plan
-from autofit.start import longest_batch
+from autofit.plans.plan import Plan
+from autofit.estimator.start import longest_batch
 from reference import bert, cls_batches, max_diff
 from reference import second_step_peak as reference_peak
 
@@ -158,17 +158,17 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
     short = cls_batches(2, rows=ROWS, seq=SHORT, seed=1)
     [middle] = cls_batches(1, rows=ROWS, seq=LONG // 2, seed=3)
     [long] = cls_batches(1, rows=ROWS, seq=LONG, seed=2)
-    sizes = autofit.ladder.SizeLog()
-    from autofit.controller import Controller
-    from autofit.device import open_device
-    from autofit.step import StepRunner
+    sizes = autofit.plans.ladder.SizeLog()
+    from autofit.engine.controller import Controller
+    from autofit.gpu.device import open_device
+    from autofit.engine.step import StepRunner
     model = small()
     with open_device(budget) as device:
         device.place_model(model)
         runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
         sizes.record(Plan(16), True, length=SHORT + 1)      # proven for short rows
         sizes.record(Plan(6), True, length=LONG // 2 + 1)   # and for the middle length
-        controller = Controller(runner, autofit.ladder.default_ladder(sizes, "fp32"), Plan(16),
+        controller = Controller(runner, autofit.plans.ladder.default_ladder(sizes, "fp32"), Plan(16),
                                 sizes=sizes, probe_up=False)
         controller.train(short[0], 0)
         controller.train(long, 1)      # longer than anything proven: the longest proof's size, 6
@@ -182,8 +182,8 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
 
 
 def test_the_cache_keeps_the_plan_of_the_longest_rows_and_the_sizes_of_each_length(budget):
-    from autofit.batches import row_elements
-    from autofit.cache import PlanCache
+    from autofit.engine.batches import row_elements
+    from autofit.cache.store import PlanCache
     batches = data() + cls_batches(1, rows=ROWS, seq=SHORT, seed=4)   # ends on a short batch
     first = autofit.run(small(), batches, budget=budget, precision="fp32", progress=False)
     assert [h["plan"].micro_batch_size for h in first.history] == [8, 16, 12, 16, 16]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import UsageError, one_line  # noqa: F401  (one_line: the commands' one-line error text)
-from ..sizes import format_size, parse_size
+from autofit.errors import UsageError, one_line  # noqa: F401  (one_line: the commands' one-line error text)
+from autofit.sizes import format_size, parse_size
 
 EXIT_OK = 0
 EXIT_DOES_NOT_FIT = 1
@@ -37,7 +37,7 @@ def out(text: str = "") -> None:
 
 
 def attempts_table(attempts) -> None:
-    from ..report import table
+    from autofit.diagnosis.report import table
     rows = [[a.step, a.plan.describe(), a.outcome, format_size(a.peak_bytes) if a.peak_bytes else None,
              a.reason] for a in attempts]
     out(table(["step", "plan", "outcome", "peak", "reason"], rows, align="rllrl"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from ..sizes import format_size
-from . import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, out
+from autofit.sizes import format_size
+from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, out
 
 
 def _cache():
-    from ..cache import PlanCache
+    from autofit.cache.store import PlanCache
     return PlanCache()
 
 
@@ -26,8 +26,8 @@ def _device_name(fields: dict) -> str | None:
 
 
 def cmd_cache_list(args) -> int:
-    from ..plan import Plan
-    from ..report import table
+    from autofit.plans.plan import Plan
+    from autofit.diagnosis.report import table
     cache = _cache()
     entries = cache.entries()
     out(f"plan cache: {cache.path}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from ..sizes import format_size
-from . import EXIT_DOES_NOT_FIT, EXIT_OK, attempts_table, out, positive_arg, size_arg
+from autofit.sizes import format_size
+from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, attempts_table, out, positive_arg, size_arg
 
 DEMO_MODEL = "tiny-bert"
 DEMO_BUDGET = "8MiB"
@@ -31,8 +31,9 @@ def cmd_demo(args) -> int:
     steps = positive_arg("--steps", args.steps)
     import torch
 
-    from .. import models, run, simulate_gpu
-    from ..errors import DoesNotFit
+    from autofit.commands import models
+    from autofit import run, simulate_gpu
+    from autofit.errors import DoesNotFit
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model, batch = models.load(DEMO_MODEL, batch_size=DEMO_BATCH, seq_len=DEMO_SEQ, device="cpu")
@@ -53,7 +54,7 @@ def cmd_demo(args) -> int:
             out()
             print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
             if e.breakdown:
-                from ..memory import format_breakdown
+                from autofit.gpu.memory import format_breakdown
                 print(f"autofit: memory at the last failure: {format_breakdown(e.breakdown, budget)}",
                       file=sys.stderr)
             return EXIT_DOES_NOT_FIT

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ..sizes import format_size
-from . import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, one_line, out, positive_arg, size_arg
+from autofit.sizes import format_size
+from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, one_line, out, positive_arg, size_arg
 
 # Without CUDA to measure it: the context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB
 # outside any allocator budget.
@@ -42,7 +42,7 @@ def cmd_probe(args) -> int:
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
                          "drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
-    from .. import models
+    from autofit.commands import models
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
@@ -59,7 +59,7 @@ def cmd_probe(args) -> int:
                   "table": [], "breakdown": None, "reason": reason}
         return _probe_report(args, result, None)
 
-    from .. import capacity
+    from autofit.estimator import capacity
     try:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
             candidates = capacity.rank(model, batch, budget, precision=args.precision, margin=MARGIN,
@@ -101,8 +101,8 @@ def _probe_report(args, result: dict, shown) -> int:
         if result["reason"]:
             print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
         return code
-    from ..memory import format_breakdown
-    from ..report import key_values, table
+    from autofit.gpu.memory import format_breakdown
+    from autofit.diagnosis.report import key_values, table
     out(key_values([
         ("model", f"{result['model']} ({result['model_class']}, "
                   f"{result['parameters'] / 1e6:.2f}M parameters)"),
@@ -138,8 +138,9 @@ def _probe_report(args, result: dict, shown) -> int:
 
 def _verify(args, budget: int, chosen) -> int:
     """Train a few real steps on CUDA under the budget; compare the measured peak with the prediction."""
-    from .. import models, run
-    from ..errors import DoesNotFit
+    from autofit.commands import models
+    from autofit import run
+    from autofit.errors import DoesNotFit
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                                device="cpu")
     out()

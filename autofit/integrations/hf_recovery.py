@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..controller import CUDA_BASELINE_SLACK
-from ..device import describe_tensors
-from ..errors import DoesNotFit, MemoryNotReleased
-from ..oom import is_oom, release, summarize
-from .hf_trainer import raw_optimizer
+from autofit.engine.controller import CUDA_BASELINE_SLACK
+from autofit.gpu.device import describe_tensors
+from autofit.errors import DoesNotFit, MemoryNotReleased
+from autofit.gpu.oom import is_oom, release, summarize
+from autofit.integrations.hf_trainer import raw_optimizer
 
 
 # -- the state an attempt starts from -----------------------------------------------------------

@@ -22,13 +22,13 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import precision as precisions
-from ..capacity import needs_message, plan_cost, rank
-from ..errors import DoesNotFit
-from ..ladder import Move
-from ..plan import Plan
-from ..start import MARGIN, cannot_estimate
-from ..step import NoLossError
+from autofit.plans import precision as precisions
+from autofit.estimator.capacity import needs_message, plan_cost, rank
+from autofit.errors import DoesNotFit
+from autofit.plans.ladder import Move
+from autofit.plans.plan import Plan
+from autofit.estimator.start import MARGIN, cannot_estimate
+from autofit.engine.step import NoLossError
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
 # What the Trainer path offers instead of optimizer offload (it has none outside DeepSpeed, which

@@ -23,7 +23,7 @@ Decisions, with their reasons:
   optimizer offload (the Trainer has none outside DeepSpeed).
 - On OOM in training: the failed attempt is freed (after its `except` block: the Trainer's own
   optimizer is dropped and rebuilt, a user's optimizer keeps its object and gets its state back),
-  the plan steps down as autofit.ladder.default_ladder does (per-device batch halved down to 8,
+  the plan steps down as autofit.plans.ladder.default_ladder does (per-device batch halved down to 8,
   then bf16 when precision="auto", then checkpointing, then per-device batch down to 1), and the
   run resumes from the newest checkpoint *this call saved* (`save_strategy` and `save_steps` are the
   user's; checkpoints of other runs already in output_dir are never used). The Trainer then skips
@@ -60,19 +60,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .. import precision as precisions
-from ..capacity import PRECISION_POLICIES
-from ..controller import Attempt
-from ..device import open_device
-from ..errors import DoesNotFit
-from ..ladder import BUSY_FLOOR, Either, checkpointing, mixed_precision
-from ..memory import by_kind
-from ..oom import is_oom, summarize
-from ..plan import Plan
-from ..sizes import format_size
-from ..start import tensor_budget
-from . import hf_recovery as recovery
-from . import hf_trainer as hf
+from autofit.plans import precision as precisions
+from autofit.estimator.capacity import PRECISION_POLICIES
+from autofit.engine.controller import Attempt
+from autofit.gpu.device import open_device
+from autofit.errors import DoesNotFit
+from autofit.plans.ladder import BUSY_FLOOR, Either, checkpointing, mixed_precision
+from autofit.gpu.memory import by_kind
+from autofit.gpu.oom import is_oom, summarize
+from autofit.plans.plan import Plan
+from autofit.sizes import format_size
+from autofit.estimator.start import tensor_budget
+from autofit.integrations import hf_recovery as recovery
+from autofit.integrations import hf_trainer as hf
 
 log = logging.getLogger("autofit")
 
@@ -212,7 +212,7 @@ def _fit(trainer, device, precision: str) -> TrainerPlan:
 # -- train --------------------------------------------------------------------------------------
 
 def _ladder(trainer, rows: int, policy: str, bf16_supported: bool):
-    """autofit.ladder.default_ladder's order, with micro-batches that divide the rows per step and
+    """autofit.plans.ladder.default_ladder's order, with micro-batches that divide the rows per step and
     without offload."""
     moves = [hf.DivisorMicroBatch(rows, BUSY_FLOOR)]
     if policy == "auto":

@@ -1,0 +1,1 @@
+"""The plan cache and what a run remembers."""

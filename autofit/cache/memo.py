@@ -1,0 +1,140 @@
+"""What a run remembers between runs: the plan that worked for this job on this device.
+
+A cached plan is the start of the next run of the same job, and the sizes it was proven against
+are loaded into the micro-batch search, so the second run makes no OOM attempt and no probe. The
+cached plan is the one proven for the longest rows trained (variable-length data); the sizes proven
+for shorter rows come with it.
+A cache that cannot be read or written never stops training: it is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from autofit.cache.store import PlanCache
+from autofit.cache.fingerprint import job_key
+from autofit.plans.ladder import SizeLog, config_of
+from autofit.plans.plan import Plan
+
+log = logging.getLogger("autofit")
+
+
+class Memo:
+    def __init__(self, *, model, batch, optimizer, global_batch: int, precision: str, device,
+                 enabled: bool = True):
+        # Only a device that can run out of memory has anything worth remembering.
+        self.enabled = enabled and device.counts
+        self.key = self.fields = None
+        self.cache = None
+        if not self.enabled:
+            return
+        self.key, self.fields = job_key(
+            model=model, batch=batch, optimizer_name=type(optimizer).__name__,
+            global_batch=global_batch, precision=precision, device_name=device.name,
+            device_total=getattr(device, "total_bytes", None), budget=device.budget)
+        self.global_batch = global_batch
+        self.precision = precision
+        try:
+            self.cache = PlanCache()
+        except Exception as error:  # a path that is a directory, say: never stops training
+            log.warning("plan cache not used: %s", error)
+            self.enabled = False
+            return
+        self.started = time.perf_counter()
+
+    def recall(self, sizes: SizeLog, applies=None) -> tuple[Plan, dict] | None:
+        """The cached plan and its entry, with the sizes it was proven against loaded into `sizes`.
+        A row that cannot be read or contradicts the job (another precision than the one asked
+        for, a plan `applies(plan) -> reason | None` refuses) is ignored with a warning."""
+        if not self.enabled:
+            return None
+        try:
+            return self._recall(sizes, applies)
+        except Exception as error:  # never raises into a run
+            log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], error)
+            return None
+
+    def _recall(self, sizes: SizeLog, applies) -> tuple[Plan, dict] | None:
+        try:
+            entry = self.cache.get(self.key)
+            plan = self.cache.get_plan(self.key) if entry is not None else None
+        except Exception as error:  # a locked or unreadable cache must not stop training
+            log.warning("plan cache %s not read: %s", self.cache.path, error)
+            return None
+        if plan is None:
+            return None
+        wrong = None
+        if self.precision != "auto" and plan.precision != self.precision:
+            wrong = f"its plan is {plan.precision} but this job asks for precision={self.precision!r}"
+        elif applies is not None:
+            wrong = applies(plan)
+        if wrong:
+            log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], wrong)
+            return None
+        config = config_of(plan)
+        try:
+            known = SizeLog.from_json(entry["sizes"]) if "sizes" in entry else None
+        except (KeyError, TypeError, ValueError) as error:
+            log.warning("plan cache %s: the sizes of entry %s are unreadable (%s); using its plan only",
+                        self.cache.path, self.key[:12], error)
+            known = None
+        if known is not None:
+            try:  # sizes must be positive ints at int (or every) lengths
+                _check_sizes(known)
+            except (TypeError, ValueError) as error:
+                log.warning("plan cache %s: the sizes of entry %s are unreadable (%s); using its plan "
+                            "only", self.cache.path, self.key[:12], error)
+                known = None
+        if known is None or not known.fits.get(config):  # an entry of an earlier autofit
+            known = SizeLog()
+            known.record(plan, True)  # for every length
+        # The sizes proven for each row length are taken as settled: no upward probe at those
+        # lengths, so a rerun on the same data makes no OOM attempt.
+        known.settle_proven(plan)
+        sizes.fits, sizes.fails = known.fits, known.fails
+        return plan, entry
+
+    def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,
+                 calibration: float | None = None, throughput: float | None = None) -> None:
+        """Cache the plan proven for the longest rows trained, with the sizes proven for each length."""
+        if not self.enabled:
+            return
+        longest = sizes.longest_fit(plan)
+        length = None
+        if longest is not None:
+            length, size = longest
+            plan = plan.with_micro_batch(size, self.global_batch)
+        ok = [a.peak_bytes for a in attempts if a.outcome == "ok" and a.plan == plan]
+        seconds = time.perf_counter() - self.started
+        config = config_of(plan)
+        mine = SizeLog(fits={config: dict(sizes.fits.get(config, {}))},
+                       fails={config: dict(sizes.fails.get(config, {}))})
+        entry = {
+            "plan": plan.to_dict(),
+            "peak_bytes": max(ok) if ok else 0,
+            "calibration": calibration,
+            # samples/s: measured by the caller (autofit.tune), else over this run
+            "throughput": throughput if throughput is not None else (
+                samples / seconds if seconds > 0 and samples else None),
+            "smallest_failing_micro_batch": sizes.fail(plan, length=math.inf if length is None else length),
+            # Elements per row (batches.row_elements) of the longest batch the plan was proven on;
+            # None: for any length.
+            "proven_row_elements": length,
+            "sizes": mine.to_json(),
+        }
+        try:
+            self.cache.put(self.key, self.fields, entry)
+        except Exception as error:
+            log.warning("plan cache %s not written: %s", self.cache.path, error)
+
+
+def _check_sizes(known: SizeLog) -> None:
+    for table in (known.fits, known.fails):
+        for key, sizes in table.items():
+            for length, size in sizes.items():
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise ValueError(f"size {size!r} for {list(key)} is not a positive int")
+                if isinstance(length, bool) or not isinstance(length, (int, float)) or length < 0:
+                    raise ValueError(f"row length {length!r} for {list(key)} is not a number")

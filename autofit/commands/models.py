@@ -1,0 +1,257 @@
+"""Models for the CLI: a spec string -> (model, sample batch).
+
+A spec is one of
+- a built-in name (`BUILTINS`): "bert-base" (the default), "distilbert", "gpt2", and the tiny
+  "tiny-bert" / "tiny-gpt2" used by the demo and the tests; built from transformers' default
+  configs, random weights, nothing downloaded;
+- a path to a transformers `config.json`, or to a directory holding one;
+- "module:function", a function returning `(model, sample_batch)`; it is called with the keyword
+  arguments `batch_size` and `seq_len` that its signature accepts.
+
+Built-in and config models are built on the meta device by default (`device="meta"`): their
+parameters have shapes and dtypes but no storage, so BERT-base costs no memory and builds in
+milliseconds; the estimator turns them into fake tensors. Pass `device="cpu"` for a real model
+(training, `probe --verify`). Sample batches are real int64 CPU tensors `input_ids`,
+`attention_mask` and `labels` of shape [batch, seq] ([batch] for sequence-classification labels),
+drawn from a fixed seed so every call gives the same batch.
+
+Which class a config.json builds (a decision, in this order):
+1. the first entry of the config's `architectures` that names a transformers class ending in
+   ForSequenceClassification, ForCausalLM, LMHeadModel or ForMaskedLM;
+2. otherwise a causal LM when transformers has one for the config's `model_type` (labels are the
+   input ids: every token is a target, the costliest common fine-tune); an encoder family's causal
+   head (BertLMHeadModel) is built with `is_decoder=True`, as transformers asks;
+3. otherwise sequence classification when it has one (one label per row);
+4. otherwise ModelSpecError naming the model type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import pathlib
+from collections.abc import Mapping
+
+import torch
+
+from autofit.errors import ModelSpecError
+
+DEFAULT = "bert-base"
+SEED = 0
+
+
+# name -> (config class name, config keyword arguments, model class name, task)
+BUILTINS: dict[str, tuple[str, dict, str, str]] = {
+    "bert-base": ("BertConfig", {}, "BertForSequenceClassification", "classification"),
+    "distilbert": ("DistilBertConfig", {}, "DistilBertForSequenceClassification", "classification"),
+    "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel", "causal"),
+    "tiny-bert": ("BertConfig", dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=128,
+                                     max_position_embeddings=512, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0),
+                  "BertForSequenceClassification", "classification"),
+    "tiny-gpt2": ("GPT2Config", dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=2, n_positions=512,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0),
+                  "GPT2LMHeadModel", "causal"),
+}
+
+_TASK_SUFFIXES = (("ForSequenceClassification", "classification"), ("ForCausalLM", "causal"),
+                  ("LMHeadModel", "causal"), ("ForMaskedLM", "masked"))
+
+
+def known() -> str:
+    return ", ".join(BUILTINS)
+
+
+def load(spec: str | None = None, *, batch_size: int = 32, seq_len: int = 128,
+         device: str | torch.device = "meta"):
+    """(model, sample batch) for a spec (see the module docstring); ModelSpecError when it cannot."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelSpecError(f"{name} must be a positive int but got {value!r}.")
+    spec = DEFAULT if spec is None else spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"a model spec must be a non-empty string but got {spec!r}; use one of "
+                             f"{known()}, a config.json path, or module:function.")
+    spec = spec.strip()
+    if spec in BUILTINS:
+        config_name, kwargs, class_name, task = BUILTINS[spec]
+        import transformers
+        config = getattr(transformers, config_name)(**kwargs)
+        return _build(getattr(transformers, class_name), config, task, batch_size, seq_len, device)
+    path = pathlib.Path(spec).expanduser()
+    if path.exists():
+        return _from_config(path, batch_size, seq_len, device)
+    if ":" in spec and not _looks_like_path(spec):
+        return _from_function(spec, batch_size, seq_len)
+    if _looks_like_path(spec):
+        raise ModelSpecError(f"no config file at {spec!r}; give a transformers config.json (or its "
+                             f"directory), a built-in name ({known()}), or module:function.")
+    raise ModelSpecError(f"unknown model {spec!r}; built-in models are {known()}; or give a "
+                         f"config.json path or module:function.")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.endswith(".json") or "/" in spec or os.sep in spec or spec.startswith((".", "~"))
+
+
+# -- built-in and config models ---------------------------------------------------------------------
+
+def _from_config(path: pathlib.Path, batch_size, seq_len, device):
+    import transformers
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelSpecError(f"the directory {str(path)!r} holds no config.json; give the file itself "
+                             f"or a directory with one.")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # bad JSON, no model_type, unknown model_type
+        raise ModelSpecError(f"cannot read the transformers config {str(path)!r}: {_one_line(e)}") from e
+    cls, task = _class_for(config)
+    if task == "causal" and not getattr(config, "is_decoder", True):
+        from transformers.models.auto import modeling_auto as auto
+        if config.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            config.is_decoder = True  # an encoder family's causal head (BertLMHeadModel) asks for it
+    return _build(cls, config, task, batch_size, seq_len, device)
+
+
+def _class_for(config):
+    import transformers
+    for arch in getattr(config, "architectures", None) or ():
+        for suffix, task in _TASK_SUFFIXES:
+            if arch.endswith(suffix) and hasattr(transformers, arch):
+                return getattr(transformers, arch), task
+    from transformers.models.auto import modeling_auto as auto
+    for mapping, task in ((auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"),
+                          (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "classification")):
+        name = mapping.get(config.model_type)
+        if name and hasattr(transformers, name):
+            return getattr(transformers, name), task
+    raise ModelSpecError(f"transformers has no causal-LM or sequence-classification model for "
+                         f"model_type {config.model_type!r}; name one in the config's \"architectures\" "
+                         f"or use module:function.")
+
+
+def _max_positions(config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _build(cls, config, task, batch_size, seq_len, device):
+    limit = _max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
+                             f"({limit} positions); pass --seq-len {limit} or less.")
+    try:
+        with torch.device(device), quiet_transformers():
+            model = cls(config)
+    except Exception as e:
+        raise ModelSpecError(f"cannot build {cls.__name__} from its config: {_one_line(e)}") from e
+    return model, sample_batch(config, task, batch_size, seq_len)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' config warnings (token ids, is_decoder) are noise for a random-init model."""
+    from transformers.utils import logging as hf_logging
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def sample_batch(config, task: str, batch_size: int, seq_len: int) -> dict:
+    """input_ids / attention_mask / labels for `task` ("classification", "causal" or "masked")."""
+    gen = torch.Generator().manual_seed(SEED)
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen, dtype=torch.int64)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if task == "classification":
+        labels = int(getattr(config, "num_labels", 2) or 2)
+        batch["labels"] = torch.randint(0, labels, (batch_size,), generator=gen, dtype=torch.int64)
+    else:
+        batch["labels"] = input_ids.clone()
+    return batch
+
+
+# -- module:function ----------------------------------------------------------------------------------
+
+def _from_function(spec: str, batch_size, seq_len):
+    module_name, _, func_name = spec.partition(":")
+    if not module_name or not func_name:
+        raise ModelSpecError(f"{spec!r} is not module:function; write e.g. mypkg.models:build.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, and whatever the module raises while importing
+        raise ModelSpecError(f"cannot import {module_name!r} for {spec!r}: {_one_line(e)}") from e
+    fn = module
+    for part in func_name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ModelSpecError(f"module {module_name!r} has no {func_name!r}; {spec!r} must name a "
+                                 f"function returning (model, sample_batch).")
+    if not callable(fn):
+        raise ModelSpecError(f"{spec!r} is a {type(fn).__name__}, not a function returning "
+                             f"(model, sample_batch).")
+    try:
+        result = fn(**_accepted(fn, batch_size=batch_size, seq_len=seq_len))
+    except Exception as e:
+        raise ModelSpecError(f"{spec}() raised {_one_line(e)}") from e
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        got = (f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__)
+        raise ModelSpecError(f"{spec}() must return (model, sample_batch) with model a torch.nn.Module "
+                             f"but returned {got}"
+                             + (f" starting with {type(result[0]).__name__}" if isinstance(result, tuple)
+                                and result else "") + ".")
+    model, batch = result
+    _check_batch(spec, batch)
+    return model, batch
+
+
+def _accepted(fn, **kwargs) -> dict:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items()
+            if k in params and params[k].kind in (params[k].POSITIONAL_OR_KEYWORD, params[k].KEYWORD_ONLY)}
+
+
+def _check_batch(spec: str, batch) -> None:
+    from autofit.engine.batches import batch_size
+    try:
+        batch_size(batch)
+    except ValueError as e:
+        raise ModelSpecError(f"{spec}() returned a sample batch autofit cannot split: {_one_line(e)}") from e
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    name = type(error).__name__
+    return f"{name}: {first}" if first else name
+
+
+def describe(model: torch.nn.Module, batch) -> str:
+    """'BertForSequenceClassification, 109.48M parameters; batch input_ids[32, 128], ...'."""
+    n = sum(p.numel() for p in model.parameters())
+    shapes = []
+    if isinstance(batch, Mapping):
+        items = batch.items()
+    elif isinstance(batch, (list, tuple)):
+        items = enumerate(batch)
+    else:
+        items = [("batch", batch)]
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            shapes.append(f"{k}{list(v.shape)}")
+    return f"{type(model).__name__}, {n / 1e6:.2f}M parameters; batch {', '.join(shapes)}"

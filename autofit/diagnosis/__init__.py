@@ -1,0 +1,1 @@
+"""Explaining a plan, finding what user code keeps on the device, report tables."""

@@ -1,0 +1,325 @@
+"""Naming what holds a tensor: the path from a module global, a closure variable, a frame's local or
+an optimizer's state down to it, found by climbing `gc` referrers. Used by autofit.diagnosis.leaks."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import sys
+import types
+from collections.abc import Mapping
+
+import torch
+
+from autofit.gpu.memory import storage_key
+from autofit.gpu.simulate import round_bytes
+
+MAX_DEPTH = 6           # referrer hops tried when naming what holds a tensor
+MAX_GRAPH_NODES = 20_000
+
+
+def _key(t: torch.Tensor) -> int:
+    return storage_key(t.untyped_storage())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return round_bytes(t.untyped_storage().nbytes())
+
+
+
+# -- naming what holds a tensor -----------------------------------------------------------------------
+
+class _Holder:
+    """What a search found holding one tensor: the path from a named root down to it."""
+
+    __slots__ = ("root", "outer", "container", "optimizer")
+
+    def __init__(self):
+        self.root = None       # "the global `LOSSES` of module x", ... (None: not found)
+        self.outer = ""        # ".last": the accessors from the root to the tensor's direct holder
+        self.container = None  # description of the direct holder: "a list", "a SequenceClassifierOutput"
+        self.optimizer = None  # description of the optimizer whose state it is, if any
+
+
+def _module_dicts() -> dict:
+    out = {}
+    for name, module in list(sys.modules.items()):
+        try:
+            key = id(vars(module))
+        except Exception:  # lazy modules that refuse vars()
+            continue
+        if key not in out or out[key].startswith("__mp_"):  # multiprocessing's alias of __main__
+            out[key] = name
+    return out
+
+
+# Before Python 3.13 a function frame's f_locals is a snapshot dict kept on the frame: it would keep
+# what it saw alive after the function rebinds its variables (an earlier phase's optimizer, say).
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
+
+
+def _stack_locals(skip_files) -> dict:
+    """{id(value): (variable, function)} for the locals of the frames on this thread's stack.
+
+    Executing frames are invisible to `gc.get_referrers`, so a list held only in a local variable
+    of the caller of `autofit.run` is found here. The snapshots read are cleared again."""
+    out = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename not in skip_files:
+            for name, value in _frame_locals(frame):
+                out.setdefault(id(value), (name, frame.f_code.co_qualname))
+        frame = frame.f_back
+    del frame
+    return out
+
+
+def _frame_locals(frame) -> list:
+    """[(name, value)] of a frame's locals, leaving no snapshot behind on the frame."""
+    try:
+        names = frame.f_locals
+        items = list(names.items())
+        if _SNAPSHOT_LOCALS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and type(names) is dict:
+            names.clear()  # the values stay in the frame's own variables
+        return items
+    except Exception:
+        return []
+
+
+class _Lazy:
+    """A value computed on first use (the stack's locals: needed only for what has no other name)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def _describe_container(obj) -> str:
+    if isinstance(obj, list):
+        return "a list"
+    if isinstance(obj, tuple):
+        return "a tuple"
+    if isinstance(obj, Mapping):
+        return "a dict" if type(obj) is dict else f"a {type(obj).__name__}"
+    return f"a {type(obj).__name__}"
+
+
+def _accessor(holder, obj) -> str | None:
+    """How `holder` reaches `obj` directly ("[3]", "['logits']", ".last"), None when it does not."""
+    try:
+        if isinstance(holder, (list, tuple)):
+            for i, v in enumerate(holder):
+                if v is obj:
+                    return f"[{i}]"
+        if isinstance(holder, Mapping):
+            for k, v in holder.items():
+                if v is obj:
+                    return f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__}>]"
+        attrs = getattr(holder, "__dict__", None)
+        if isinstance(attrs, dict):
+            for k, v in attrs.items():
+                if v is obj:
+                    return f".{k}"
+    except Exception:
+        return None
+    return None
+
+
+def _optimizer_words(opt) -> str:
+    lrs = sorted({g.get("lr") for g in opt.param_groups if "lr" in g}, key=str)
+    lr = f" (lr={', '.join(f'{x:g}' if isinstance(x, float) else str(x) for x in lrs)})" if lrs else ""
+    return f"another {type(opt).__name__}{lr}"
+
+
+def locate(objects: list, ignore: set, current_optimizer=None, skip_files=()) -> list[_Holder]:
+    """For each object (tensors, autograd nodes), a _Holder naming what references it.
+
+    Climbs referrers (`gc.get_referrers`, one call per level for all objects) up to MAX_DEPTH hops,
+    stopping at a name: a module global, a variable captured by a closure, a local of a frame on
+    the stack, or an optimizer's state.
+    """
+    skip_files = {__file__, *skip_files}  # the searcher's own frames name nothing
+    modules = _module_dicts()
+    stack = _Lazy(lambda: _stack_locals(skip_files))
+    holders = [_Holder() for _ in objects]
+    current = list(objects)           # the object each search has climbed to
+    trail: list[list] = [[] for _ in objects]  # accessor strings, innermost first
+    open_ = list(range(len(objects)))
+    mine = {id(objects), id(holders), id(current), id(trail), id(open_), id(modules)}
+    mine |= {id(t) for t in trail}
+    for _ in range(MAX_DEPTH):
+        if not open_:
+            break
+        level = []
+        seen = set()
+        for i in open_:
+            if id(current[i]) not in seen:
+                seen.add(id(current[i]))
+                level.append(current[i])
+        wanted = {id(o) for o in level}
+        refs: dict = {k: [] for k in wanted}
+        mine.add(id(level))
+        for r in gc.get_referrers(*level):
+            if id(r) in ignore or id(r) in mine:
+                continue
+            if isinstance(r, types.FrameType):
+                if r.f_code.co_filename in skip_files:
+                    continue
+            elif isinstance(r, tuple) and len(r) == len(level) and all(a is b for a, b in zip(r, level)):
+                continue  # the argument tuple of get_referrers itself
+            try:
+                inside = {id(x) for x in gc.get_referents(r)} & wanted
+            except Exception:
+                continue
+            for k in inside:
+                refs[k].append(r)
+        owners = _dict_owners([r for rs in refs.values() for r in rs
+                               if type(r) is dict and id(r) not in modules])
+        still = []
+        for i in open_:
+            obj = current[i]
+            found = _step_up(obj, refs.get(id(obj), []), modules, stack, owners, holders[i], trail[i],
+                             current_optimizer)
+            if found is None:
+                continue  # named, or nothing to climb to
+            current[i] = found
+            still.append(i)
+        open_ = still
+        del level, refs, owners
+    for i, h in enumerate(holders):
+        h.outer = "".join(reversed(trail[i][1:]))  # trail[i][0] reaches the tensor itself
+    del current, trail
+    return holders
+
+
+def _step_up(obj, referrers, modules, stack, owners, holder: _Holder, trail: list, current_optimizer):
+    """Name `obj` from its referrers, or return the container to climb to next (None: stop)."""
+    for r in referrers:  # a module global names it best
+        name = modules.get(id(r))
+        if name is not None:
+            key = next((k for k, v in r.items() if v is obj), None)
+            if key is not None:
+                holder.root = f"the global `{key}` of module {name}"
+                return None
+    for r in referrers:  # a variable a closure captured
+        if isinstance(r, types.CellType):
+            owner = _closure_owner(r)
+            if owner is not None:
+                fn, var = owner
+                holder.root = f"the variable `{var}` captured by {fn.__qualname__}()"
+                return None
+    named = stack().get(id(obj))
+    if named is not None:
+        var, fn = named
+        holder.root = f"the local variable `{var}` of {fn}()"
+        return None
+    for r in referrers:  # a frame not on this stack (a generator, a kept traceback)
+        if isinstance(r, types.FrameType):
+            var = next((k for k, v in _frame_locals(r) if v is obj), None)
+            if var is not None:
+                holder.root = f"the local variable `{var}` of {r.f_code.co_qualname}()"
+                return None
+    for r in referrers:
+        if isinstance(r, torch.optim.Optimizer) and r is not current_optimizer:
+            holder.optimizer = _optimizer_words(r)
+            trail.append(".state")
+            return r  # climb on: name the optimizer itself
+    # An instance whose attribute (or whose __dict__) holds it; then containers.
+    best = None
+    for r in referrers:
+        if isinstance(r, (types.FrameType, types.CellType, types.FunctionType, type)):
+            continue
+        if isinstance(r, dict):
+            owner = owners.get(id(r))
+            if owner is not None:
+                key = next((k for k, v in r.items() if v is obj), None)
+                if key is not None:
+                    best = (owner, f".{key}")
+                    break
+        acc = _accessor(r, obj)
+        if acc is None:
+            continue
+        if isinstance(r, torch.optim.Optimizer):
+            return None  # the current optimizer's own state: not a leak (filtered before)
+        if best is None or (acc.startswith(".") and not best[1].startswith(".")):
+            best = (r, acc)
+    if best is None:
+        return None
+    owner, acc = best
+    if isinstance(owner, torch.optim.Optimizer):
+        if owner is current_optimizer:
+            return None
+        holder.optimizer = _optimizer_words(owner)
+    if holder.container is None:
+        holder.container = _describe_container(owner)
+    trail.append(acc)
+    return owner
+
+
+def _closure_owner(cell):
+    for f in gc.get_referrers(cell):
+        if isinstance(f, tuple):
+            for fn in gc.get_referrers(f):
+                if isinstance(fn, types.FunctionType) and fn.__closure__ is f:
+                    try:
+                        return fn, fn.__code__.co_freevars[f.index(cell)]
+                    except (ValueError, IndexError):
+                        return None
+    return None
+
+
+def _dict_owners(dicts) -> dict:
+    """{id(d): the object whose __dict__ d is} for those of `dicts` that are an instance's
+    attributes (one heap search for all); the others are containers."""
+    if not dicts:
+        return {}
+    wanted = {id(d): d for d in dicts}
+    out = {}
+    for o in gc.get_referrers(*wanted.values()):
+        try:
+            if isinstance(o, (dict, list, tuple, types.FrameType)):
+                continue
+            d = getattr(o, "__dict__", None)
+            if d is not None and id(d) in wanted and wanted[id(d)] is d:
+                out[id(d)] = o
+        except Exception:
+            continue
+    del wanted
+    return out
+
+
+# -- the graph behind a tensor ------------------------------------------------------------------------
+
+def graph_bytes(nodes, on_device, skip: set) -> int:
+    """Device bytes saved for backward by the autograd graph reachable from `nodes` (not yet freed)."""
+    seen, keep, counted, total = set(), [], set(skip), 0
+    todo = [n for n in nodes if n is not None]
+    while todo and len(seen) < MAX_GRAPH_NODES:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)  # ids stay unique while the walk runs
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except Exception:  # freed by a backward already
+                continue
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for v in values:
+                if isinstance(v, torch.Tensor) and on_device(v):
+                    k = _key(v)
+                    if k not in counted:
+                        counted.add(k)
+                        total += _nbytes(v)
+        try:
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+        except Exception:
+            pass
+    return total

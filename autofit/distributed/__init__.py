@@ -1,0 +1,1 @@
+"""Torch.distributed: the lockstep every rank keeps."""

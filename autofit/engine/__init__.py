@@ -1,0 +1,1 @@
+"""One global step under a plan, and the attempts that make it fit."""

@@ -1,0 +1,119 @@
+"""An optimizer step that is applied whole or not at all.
+
+Optimizers mutate in place before they allocate: foreach AdamW increments `step`, decays the
+parameters and updates `exp_avg` before `_foreach_sqrt` allocates. An OOM there leaves a half-applied
+update, and replaying the global batch on top of it would apply part of the update twice.
+
+When a step can fail (a fault is armed, or the free memory is not known to exceed what the last step
+of this plan needed), the parameters and the optimizer state are copied to host memory first and
+copied back in place if the step runs out of memory. A step known to fit runs without the copy, so
+a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
+`PartialUpdateError` instead of being retried on top of itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autofit.errors import PartialUpdateError
+from autofit.gpu.oom import is_oom, summarize
+from autofit.engine.replay import restore_groups, save_groups
+
+HEADROOM = 1.25       # margin over the last measured need of a step
+HEADROOM_BYTES = 1 << 20
+
+
+def _params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Snapshot:
+    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate."""
+
+    def __init__(self, optimizer, device):
+        self.optimizer = optimizer
+        with torch.no_grad(), device.host():
+            self.params = [(p, p.detach().to("cpu", copy=True)) for p in _params(optimizer)]
+            self.state = {}
+            for p, _ in self.params:
+                if p in optimizer.state:
+                    self.state[p] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                                         else v)
+                                     for k, v in optimizer.state[p].items()}
+            self.groups = save_groups(optimizer)  # some optimizers count steps in the group
+
+    def restore(self) -> None:
+        """Copy everything back in place; state made by the failed step is dropped."""
+        state = self.optimizer.state
+        restore_groups(self.optimizer, self.groups)
+        with torch.no_grad():
+            for p, saved in self.params:
+                p.copy_(saved)
+                if p not in self.state:
+                    state.pop(p, None)
+                    continue
+                current = state.get(p, {})
+                for k, v in self.state[p].items():
+                    now = current.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) \
+                            and now.shape == v.shape and now.dtype == v.dtype:
+                        now.copy_(v)
+                    elif isinstance(v, torch.Tensor):
+                        current[k] = v.to(p.device if now is None else now.device)
+                    else:
+                        current[k] = v
+                for k in set(current) - set(self.state[p]):
+                    del current[k]
+                state[p] = current
+
+
+class AtomicStep:
+    """Runs `step_fn` (which calls optimizer.step) so that an OOM leaves no partial update."""
+
+    def __init__(self, optimizer, device):
+        self.optimizer, self.device = optimizer, device
+        self.need: dict = {}  # plan config -> bytes the step needed above what was allocated before it
+        self.snapshots = 0    # how many steps were guarded (for reports and tests)
+        self.outer_peak = 0   # the device peak just before the last step (its counter is reset)
+        self.failed_at = None  # bytes allocated when the last step ran out of memory
+
+    def at_risk(self, key) -> bool:
+        if self.device.fault_armed:
+            return True
+        free = self.device.free_bytes()
+        if free is None:
+            return False
+        need = self.need.get(key)
+        return need is None or free < need * HEADROOM + HEADROOM_BYTES
+
+    def __call__(self, step_fn, key=None, guard: bool | None = None) -> None:
+        guard = self.at_risk(key) if guard is None else guard
+        snapshot = Snapshot(self.optimizer, self.device) if guard else None
+        if snapshot is not None:
+            self.snapshots += 1
+        before = self.device.memory_allocated()
+        self.outer_peak = self.device.max_memory_allocated()
+        self.device.reset_peak_memory_stats()
+        failure = None
+        try:
+            step_fn()
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            failure = summarize(error)
+            self.failed_at = self.device.memory_allocated()
+        step_peak = self.device.max_memory_allocated()
+        if failure is None:
+            self.need[key] = max(step_peak - before, 0)
+            return
+        # Out of the except block: the failed step's frames and temporaries are gone.
+        if snapshot is None:
+            raise PartialUpdateError(
+                f"the optimizer step ran out of memory part-way ({failure}) although the last step "
+                f"of this plan fitted with room to spare; its update cannot be undone, so the run "
+                f"stops here instead of applying it twice. Lower the budget or set "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation.")
+        snapshot.restore()
+        del snapshot
+        raise torch.OutOfMemoryError(f"{failure} (in optimizer.step; update rolled back)")
+

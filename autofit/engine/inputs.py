@@ -1,0 +1,102 @@
+"""Checks of what a user hands to run, stepper and tune, before any work: clear errors naming the value.
+
+A low module (it imports no recipe), so every recipe can use it without importing another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autofit.engine.batches import dataset_batches
+from autofit.engine.optimizers import check_steppable, from_factory
+from autofit.plans.plan import PRECISIONS
+from autofit.engine.reading import Epochs
+
+PRECISION_POLICIES = ("auto",) + PRECISIONS
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int but got {value!r}.")
+
+
+def check_training_options(*, model, precision, loss_fn, max_grad_norm) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if precision not in PRECISION_POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                      or not isinstance(max_grad_norm, (int, float))
+                                      or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
+        raise ValueError(f"max_grad_norm must be a positive number (or None: no clipping) but got "
+                         f"{max_grad_norm!r}.")
+
+
+def global_batches(data, batch_size, epochs: int):
+    """(first batch, a function giving each epoch's iterator); checks the data before training.
+
+    The data is read as a plain loop reads it: one iter() per epoch, the first batch taken from
+    the first epoch's own iterator (reading.Epochs)."""
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+        if batch_size is None:
+            raise ValueError(f"data is a {type(data).__name__} (a map-style Dataset); pass batch_size=N, "
+                             f"the global batch one optimizer step sees.")
+        check_positive_int("batch_size", batch_size)
+        if len(data) == 0:
+            raise ValueError(f"data is an empty {type(data).__name__}; give at least one sample.")
+        epochs_of = Epochs(dataset_batches(data, batch_size), epochs)
+        return epochs_of.first, epochs_of
+    if batch_size is not None:
+        raise ValueError(f"batch_size={batch_size!r} applies to a map-style Dataset, but data is a "
+                         f"{type(data).__name__} that already yields batches; drop batch_size or pass "
+                         f"the Dataset itself.")
+    if isinstance(data, (torch.Tensor, dict)) or not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be a map-style Dataset or an iterable of batches (a DataLoader, a "
+                        f"list of batches) but got {type(data).__name__}.")
+    epochs_of = Epochs(data, epochs)  # the first batch comes from the first epoch's iterator
+    return epochs_of.first, epochs_of
+
+
+def build_optimizer(optimizer, model):
+    """(the optimizer, whether autofit built it): an instance as given, a factory called, None AdamW."""
+    if optimizer is None:
+        return torch.optim.AdamW(model.parameters()), True
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_steppable(optimizer)
+        return optimizer, False
+    if callable(optimizer):
+        built = from_factory(optimizer, model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
+                            f"torch.optim.Optimizer built over the parameters it is given.")
+        check_steppable(built)
+        return built, True
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None "
+                    f"but got {type(optimizer).__name__}.")
+
+
+def check_optimizer(optimizer) -> None:
+    """Fail before any work on what build_optimizer would refuse later (no parameters needed)."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or "
+                        f"None but got {type(optimizer).__name__}.")
+
+
+def build_scheduler(scheduler, optimizer):
+    """An instance built on `optimizer` as given, a factory optimizer -> scheduler called, or None."""
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer") and not isinstance(scheduler, type):
+        if scheduler.optimizer is not optimizer:
+            raise ValueError(f"the scheduler ({type(scheduler).__name__}) is built on another optimizer "
+                             f"than the one training steps; build it on the optimizer you pass, or pass "
+                             f"a factory optimizer -> scheduler.")
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise TypeError(f"scheduler must be a learning-rate scheduler, a factory optimizer -> scheduler, or "
+                    f"None but got {type(scheduler).__name__}.")

@@ -1,0 +1,156 @@
+"""The state every attempt of a global batch starts from, captured once and restored before a replay.
+
+A failed attempt has already drawn dropout masks, updated BatchNorm's running statistics, maybe
+advanced a counter in the optimizer's param_groups, and handed its micro-batches to a `loss_fn`
+that may change them in place. Replaying on top of that would not be the mathematics of a plain
+loop. `StartState` keeps what a replay needs, in host memory:
+- torch's RNG states (CPU and every CUDA device): a few KiB;
+- the model's buffers: host copies; integer and bool buffers (position ids, masks) are copied
+  again only when their `_version` moved, floating-point ones (running statistics, which native
+  kernels write without bumping `_version`) at every capture;
+- the optimizer's param_groups (every entry but "params"; the state is rolled back by
+  `atomic.Snapshot`, the parameters are only written by a step);
+- the batch as given: fresh containers for every attempt, and host copies of the tensors that reach
+  the loss without being copied (already on the device), restored when an attempt wrote to them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from autofit.gpu.device import _map_tensors
+
+
+def rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_groups(optimizer) -> list[dict]:
+    """Copies of every param_group's entries but "params" (lr, betas, a step counter kept there)."""
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def restore_groups(optimizer, saved: list[dict]) -> None:
+    """Put `save_groups`' copies back, in place: schedulers and GradScaler hold these dicts."""
+    for group, entries in zip(optimizer.param_groups, saved):
+        for k in [k for k in group if k != "params" and k not in entries]:
+            del group[k]
+        group.update({k: copy.deepcopy(v) for k, v in entries.items()})
+
+
+def fresh(batch, tensor=lambda t: t):
+    """The batch in new containers (dicts, lists, tuples, BatchEncoding), leaves passed to `tensor`
+    when they are tensors and kept as they are otherwise."""
+    return _map_tensors(batch, tensor)
+
+
+def _leaves(batch):
+    out = []
+    fresh(batch, lambda t: out.append(t) or t)
+    return out
+
+
+def _may_change_unseen(buf: torch.Tensor) -> bool:
+    # Native kernels write batch norm's running statistics without bumping `_version`; integer and
+    # bool buffers (position ids, masks, num_batches_tracked) are only written by ops that bump it.
+    return buf.is_floating_point() or buf.is_complex()
+
+
+class _Buffers:
+    """Host copies of a model's buffers, re-copied only when a buffer may have been written since:
+    its `_version` moved, or it is floating point (see `_may_change_unseen`)."""
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.saved: dict[tuple, tuple] = {}  # (module id, name) -> (module, name, tensor, copy, version)
+        self.copies = 0  # buffers copied to host so far (for tests and the overhead benchmark)
+
+    def capture(self) -> None:
+        seen = {}
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                key = (id(module), name)
+                old = self.saved.get(key)
+                if old is not None and old[2] is buf and old[4] == buf._version \
+                        and not _may_change_unseen(buf):
+                    seen[key] = old
+                    continue
+                with torch.no_grad(), self.device.host():
+                    host = buf.detach().to("cpu", copy=True)
+                self.copies += 1
+                seen[key] = (module, name, buf, host, buf._version)
+        self.saved = seen
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for key, (module, name, buf, host, version) in self.saved.items():
+                if module._buffers.get(name) is not buf:
+                    module._buffers[name] = buf  # the attempt replaced it: the original comes back
+                if buf._version != version or _may_change_unseen(buf):
+                    buf.copy_(host)
+                    self.saved[key] = (module, name, buf, host, buf._version)
+
+
+class StartState:
+    """What every attempt of one global batch starts from; `capture` before the first attempt,
+    `begin` at the start of each attempt (it restores before a replay) gives the batch to train."""
+
+    def __init__(self, model, optimizer, device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.buffers = _Buffers(model, device)
+        self.attempts = 0
+
+    def capture(self, batch) -> None:
+        self.attempts = 0
+        self.rng = rng_state()
+        self.buffers.capture()
+        with self.device.host():
+            self.groups = save_groups(self.optimizer)
+        self.given = batch
+        # Tensors the device hands to the loss as they are (no host-to-device copy) could be
+        # written by the loss; keep their contents. The others reach the loss as copies.
+        self.versions = [(t, t._version) for t in _leaves(batch)]
+        with torch.no_grad(), self.device.host():
+            self.kept = {id(t): t.detach().to("cpu", copy=True)
+                         for t, _ in self.versions if self.device.shares(t)}
+
+    def release(self) -> None:
+        """Drop the batch and its copies once its step is over (the buffer copies stay)."""
+        self.given, self.versions, self.kept = None, [], {}
+
+    def begin(self):
+        """The batch as given, in fresh containers; before a replay, the start state is restored."""
+        if self.attempts:
+            self.restore()
+        self.attempts += 1
+        return fresh(self.given)
+
+    def restore(self) -> None:
+        set_rng_state(self.rng)
+        self.buffers.restore()
+        restore_groups(self.optimizer, self.groups)
+        for i, (t, version) in enumerate(self.versions):
+            if t._version == version:
+                continue
+            kept = self.kept.get(id(t))
+            if kept is None:
+                raise RuntimeError(
+                    f"a tensor of the batch ({list(t.shape)}, {t.dtype}) was written in place during an "
+                    f"attempt that ran out of memory, and autofit kept no copy of it, so the replay "
+                    f"cannot start from the batch as given. Make loss_fn leave its batch unchanged "
+                    f"(use out-of-place operations, e.g. x = x * 2 instead of x.mul_(2)).")
+            with torch.no_grad():
+                t.copy_(kept)
+            self.versions[i] = (t, t._version)

@@ -1,0 +1,237 @@
+"""One global step under a plan: micro-batches, weighting, autocast, scaler, checkpointing, offload.
+
+The optimizer, scheduler and grad scaler step once per global batch, and only for a batch whose
+every micro-batch succeeded. Micro-batch losses are weighted by their share of the global batch
+(rows, or label tokens for token-level losses), so the accumulated gradient is the full batch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+from autofit.plans import precision as precisions
+from autofit.plans.applies import not_applicable
+from autofit.engine.atomic import AtomicStep
+from autofit.engine.batches import split, weights
+from autofit.engine.checkpointing import Checkpointing
+from autofit.errors import NoLossError
+from autofit.plans.ladder import config_of
+from autofit.engine.offload import Offloaded
+
+
+def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
+    """The scalar loss of one (micro-)batch: `loss_fn(model, batch)`, else the model's own; `items`
+    ({"num_items_in_batch": n} or empty, see token_loss) is passed on to either."""
+    items = items or {}
+    if loss_fn is not None:
+        loss = loss_fn(model, batch, **items)
+        where = "loss_fn"
+    else:
+        if isinstance(batch, Mapping):
+            out = model(**batch, **items)
+        elif isinstance(batch, (list, tuple)):
+            out = model(*batch)
+        else:
+            out = model(batch)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, Mapping):
+            loss = out.get("loss")
+        if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+            loss = out
+        where = f"{type(model).__name__}'s output"
+        if loss is None:
+            raise NoLossError(
+                f"{where} ({type(out).__name__}) carries no loss; pass labels in the batch (Hugging "
+                f"Face models), return a scalar loss from forward, or give "
+                f"loss_fn=lambda model, batch: ...")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise NoLossError(f"{where} gave a loss of shape {shape}; it must be a scalar tensor, the "
+                          f"mean over the batch.")
+    return loss
+
+
+class StepRunner:
+    """Executes global steps; owns the per-plan switches so a plan change is one call."""
+
+    phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
+
+    def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
+                 count_tokens=None, sync=None, forward=None, max_grad_norm=None, weighting=None):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        # token_loss.LossWeighting: how micro losses add up (None: count_tokens' shares, else rows)
+        self.weighting = weighting
+        self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: float | None = None  # the last step's gradient norm, before clipping
+        # sync(i, last) -> context around micro-step i's forward and backward (DDP's no_sync).
+        self.sync = sync or (lambda i, last: contextlib.nullcontext())
+        self.forward = forward if forward is not None else model  # what is called (a DDP wrapper)
+        self.checkpointing = Checkpointing(model)
+        self.atomic = AtomicStep(optimizer, device)
+        self.offloaded: Offloaded | None = None
+        self.scaler = None
+        self._scaler_state = None
+        self.peak = 0
+        # Where the current attempt is (ladder.PHASES); read by the controller after an OOM.
+        self.phase = ""
+        self._foreach = None  # the groups' own `foreach` while a per-parameter step is on
+
+    # -- plan switches -------------------------------------------------------------------------
+    def prepare(self, plan) -> None:
+        self.checkpointing.set(plan.checkpointing)
+        if plan.offload_optimizer and self.offloaded is None:
+            self.offloaded = Offloaded(self.optimizer, self.device)
+            if self.max_grad_norm is not None:  # on the host copy: the device allocates nothing for it
+                self.offloaded.clip = self._clip
+        elif not plan.offload_optimizer and self.offloaded is not None:
+            self.offloaded.give_back()
+            self.offloaded = None
+        if precisions.get(plan.precision).needs_scaler and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        self._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
+
+    def _per_parameter(self, on: bool) -> None:
+        groups = self.optimizer.param_groups
+        if on:
+            if self._foreach is None:
+                self._foreach = [g.get("foreach") for g in groups]
+            for g in groups:  # every time: an attempt's restore may have put the groups back
+                g["foreach"] = False
+        elif self._foreach is not None:
+            for g, own in zip(groups, self._foreach):
+                g["foreach"] = own
+            self._foreach = None
+
+    def not_applicable(self, plan) -> str | None:
+        """Why `plan` cannot run for this model, optimizer and device (a move to skip), or None."""
+        return not_applicable(plan, self.model, self.optimizer, self.device, self.checkpointing)
+
+    def close(self) -> None:
+        """Leave the model and optimizer as a plain loop would: own switches off, state home."""
+        self.checkpointing.restore()
+        if self.offloaded is not None:
+            self.offloaded.give_back()
+            self.offloaded = None
+        self._per_parameter(False)
+
+    def abandon(self) -> None:
+        """Forget a failed attempt: gradients and scaler bookkeeping go back to before it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None and self._scaler_state is not None:
+            scaler = torch.amp.GradScaler(self.device.type)
+            scaler.load_state_dict(self._scaler_state)
+            self.scaler = scaler
+
+    # -- one global batch ----------------------------------------------------------------------
+    def run(self, batch, plan) -> float:
+        """Train on one global batch under `plan`; returns its loss (the weighted mean)."""
+        total = self._accumulate(batch, plan)
+        self._step(plan)
+        return total.item()
+
+    def _shares(self, batch, parts) -> list[float]:
+        if self.weighting is not None:
+            return self.weighting.shares(batch, parts)
+        return weights(batch, parts, self.count_tokens)
+
+    def _accumulate(self, batch, plan) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the weighted loss (on the device)."""
+        self.prepare(plan)
+        if self.scaler is not None:
+            self._scaler_state = self.scaler.state_dict()
+        self.device.reset_peak_memory_stats()
+        self.peak = 0
+        parts = split(batch, plan.micro_batch_size)
+        shares = self._shares(batch, parts)
+        items = self.weighting.items(batch) if self.weighting is not None else {}
+        total = None  # stays on the device: one synchronisation per global batch, not per micro-step
+        autocast = precisions.get(plan.precision).mixed
+        for i, (part, share) in enumerate(zip(parts, shares)):
+            part = self.device.to_device(part)
+            # The forward is inside too: DDP decides in forward whether backward synchronises.
+            with self.sync(i, i == len(parts) - 1):
+                self.phase = "forward"
+                with torch.autocast(self.device.type, dtype=precisions.get(plan.precision).autocast_dtype, enabled=autocast):
+                    loss = compute_loss(self.forward, part, self.loss_fn, items)
+                scaled = loss * share
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                self.phase = "backward"
+                scaled.backward()
+            term = loss.detach().float() * share
+            total = term if total is None else total + term
+            del part, loss, scaled, term
+        del parts
+        return total
+
+    def _phased(self, step):
+        """`step` that sets the phase: "optimizer.step" around it (clipping included);
+        "optimizer.state" from the moment the optimizer itself starts a step with state to create
+        (its pre-hook) until that state is all made."""
+        optimizer = self.optimizer
+
+        def missing() -> bool:
+            return self.offloaded is None and any(
+                p.grad is not None and not optimizer.state.get(p)
+                for g in optimizer.param_groups for p in g["params"])
+
+        def starting(*_):
+            if missing():
+                self.phase = "optimizer.state"
+
+        def run():
+            self.phase = "optimizer.step"
+            hook = optimizer.register_step_pre_hook(starting)
+            try:
+                step()
+            except BaseException:
+                if self.phase == "optimizer.state" and not missing():
+                    self.phase = "optimizer.step"  # the state was all made: the update failed
+                raise
+            finally:
+                hook.remove()
+        return run
+
+    def attempt_peak(self) -> int:
+        """The device peak of the current attempt (the step resets the counter to measure itself)."""
+        return max(self.peak, self.device.max_memory_allocated())
+
+    def _step(self, plan, guard: bool | None = None, wrap=None) -> None:
+        """One optimizer step; `guard` overrides the atomic step's own choice (None: its own),
+        `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
+        target = self.offloaded or self.optimizer
+        self.grad_norm = None
+
+        def step():
+            # Clipping is part of the step: an OOM in it rolls back with the update.
+            if self.max_grad_norm is not None:
+                if self.scaler is not None:
+                    self.scaler.unscale_(target)  # the norm of the true gradient, not the scaled one
+                if self.offloaded is None:
+                    self._clip(self.model.parameters())
+            if self.scaler is not None:
+                self.scaler.step(target)
+            else:
+                target.step()
+        if wrap is not None:
+            step = wrap(step)
+        step = self._phased(step)
+        key = config_of(plan)
+        try:
+            self.atomic(step, key=key, guard=False if self.offloaded is not None else guard)
+        finally:
+            self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
+        if self.scaler is not None:
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self, params) -> None:
+        """Clip the accumulated gradient of the whole global batch, as a plain loop would."""
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        self.grad_norm = norm.item()

@@ -1,0 +1,191 @@
+"""How micro-batch losses add up to the global batch's loss: by the model's own token count, by
+label tokens, or by rows.
+
+A token-level loss is a mean over label tokens, so a micro-batch's mean weighs its share of the
+global batch's tokens, not of its rows. Hugging Face models say how they count: a forward that
+takes `num_items_in_batch` divides its summed loss by it, so handing every micro-batch the global
+batch's count makes the micro losses add up to the full-batch mean (each micro-batch then weighs
+1). Which models honour it is found out, not guessed from class names: a forward that accepts the
+keyword (`**kwargs` included, after unwrapping `torch.compile` and DDP) is probed once, unwrapped,
+on two rows of the first batch's tensors (labels set to 0, so every one counts) in eval mode under
+no_grad with the RNG forked; the ratio of its loss with `num_items_in_batch=1` to its plain loss is
+the number of labels it counts (shifted by one for causal LMs), or 1 when it ignores the count.
+
+A `loss_fn` that takes a `num_items_in_batch` keyword gets the same global count (the model's
+count when the model honours it, else the labels that are not -100, or the rows when the batch has
+no labels) and weighs 1; any other `loss_fn` is weighted by rows, and a batch with per-token
+labels says so once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
+
+log = logging.getLogger("autofit")
+
+ITEMS = "num_items_in_batch"
+
+
+def unwrap(model):
+    """The module whose forward defines the signature: through torch.compile and DDP/DataParallel."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def forward_takes_items(model) -> bool:
+    """Whether the model's forward accepts `num_items_in_batch` (by name or through **kwargs)."""
+    inner = unwrap(model)
+    if getattr(inner, "accepts_loss_kwargs", True) is False:  # Hugging Face's own opt-out
+        return False
+    return _takes(inner.forward, var_keyword=True)
+
+
+def loss_fn_takes_items(loss_fn) -> bool:
+    """Whether `loss_fn` names a `num_items_in_batch` parameter (**kwargs alone does not count)."""
+    return _takes(loss_fn, var_keyword=False)
+
+
+def _takes(fn, var_keyword: bool) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any((p.name == ITEMS and p.kind != p.POSITIONAL_ONLY) or (var_keyword and p.kind == p.VAR_KEYWORD)
+               for p in params)
+
+
+def label_tokens(shifted: bool) -> Callable:
+    """Counts a batch's label tokens (not -100); a causal LM's first label of each row never counts."""
+    def count(batch):
+        labels = labels_of(batch)
+        if labels is None or labels.is_floating_point():
+            return None
+        if shifted and labels.dim() >= 2:
+            labels = labels[..., 1:]
+        return int((labels != IGNORE_INDEX).sum())
+    return count
+
+
+def _rows_or_labels(batch):
+    counted = label_tokens(False)(batch)
+    return batch_size(batch) if counted is None else counted
+
+
+@dataclass(frozen=True)
+class LossWeighting:
+    """What one micro-batch's loss weighs, and what its forward (or loss_fn) is told."""
+
+    count: Callable | None = None   # batch -> items its loss averages over; None: rows
+    pass_items: bool = False        # hand num_items_in_batch=count(global batch) on; each part weighs 1
+    why: str = "rows: a per-row mean"
+
+    def shares(self, batch, parts) -> list[float]:
+        if self.pass_items:
+            self.items(batch)  # refuses a batch with no label token, as weights() does
+            return [1.0] * len(parts)
+        return weights(batch, parts, self.count)
+
+    def items(self, batch) -> dict:
+        """The keyword every micro-batch of `batch` gets: {} or {"num_items_in_batch": n}."""
+        if not self.pass_items:
+            return {}
+        n = self.count(batch)
+        if n == 0:
+            raise ValueError("the batch has no label token to learn from (every label is -100); "
+                             "drop such batches or check the labels.")
+        return {ITEMS: n}
+
+
+def probe_counting(model, batch, device) -> str | None:
+    """How the model counts the items its loss averages over, found with two rows of `batch`:
+    "shifted" (next-token labels), "unshifted", or None (the loss ignores `num_items_in_batch`, or
+    the probe could not tell)."""
+    labels = labels_of(batch)
+    if labels is None or labels.dim() == 0 or batch_size(batch) < 2:
+        return None
+    model = unwrap(model)  # counting is the module's; no DDP collective, no compilation for a probe
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), device.host():
+            # Tensors only: other fields are the loss_fn's business (ids, metadata).
+            part = {k: v for k, v in slice_batch(batch, 0, 2).items() if isinstance(v, torch.Tensor)}
+            if not part["labels"].is_floating_point():
+                part["labels"] = torch.zeros_like(part["labels"])  # every label counts: the counts differ
+            unshifted = part["labels"].numel()
+            shifted = part["labels"][..., 1:].numel() if part["labels"].dim() >= 2 else None
+            model.eval()
+            part = device.to_device(part)
+            # forward itself, not __call__: hooks the user put on the model (step counters, fault
+            # injection) see training forwards only
+            mean = _loss(model.forward(**part))
+            one = torch.ones((), dtype=torch.long, device=mean.device) if mean is not None else 1
+            summed = _loss(model.forward(**part, **{ITEMS: one}))
+            mean, summed = [None if x is None else x.item() for x in (mean, summed)]
+    except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
+        log.info("num_items_in_batch probe of %s failed (%s: %s); micro-batches are weighted without it",
+                 type(unwrap(model)).__name__, type(error).__name__, error)
+        return None
+    finally:
+        model.train(was_training)
+    if mean is None or summed is None or not math.isfinite(mean) or mean == 0:
+        return None
+    ratio = summed / mean
+    if math.isclose(ratio, unshifted, rel_tol=1e-4):
+        return "unshifted"
+    if shifted is not None and math.isclose(ratio, shifted, rel_tol=1e-4):
+        return "shifted"
+    return None
+
+
+def _loss(out):
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+def loss_weighting(model, batch, loss_fn, device) -> LossWeighting:
+    """The weighting of a run's micro-batches, decided once from its first batch (and said once)."""
+    name = type(unwrap(model)).__name__
+    labels = labels_of(batch)
+    token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
+    fn_items = loss_fn is not None and loss_fn_takes_items(loss_fn)
+    counting = None
+    if (loss_fn is None or fn_items) and labels is not None and isinstance(batch, Mapping) \
+            and forward_takes_items(model):
+        counting = probe_counting(model, batch, device)
+    if loss_fn is not None:
+        if fn_items:
+            count = label_tokens(counting == "shifted") if counting else _rows_or_labels
+            return LossWeighting(count, True, f"loss_fn gets num_items_in_batch ({counting or 'labels not -100, else rows'})")
+        if token_level:
+            log.info("loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; "
+                     "for a mean over label tokens, give loss_fn a num_items_in_batch parameter and divide "
+                     "the summed loss by it (autofit passes the global batch's label-token count)")
+        return LossWeighting()
+    if counting is not None:
+        return LossWeighting(label_tokens(counting == "shifted"), True,
+                             f"{name} divides its loss by num_items_in_batch ({counting} labels)")
+    if labels is not None and forward_takes_items(model):
+        how = ("label tokens (not -100, unshifted)" if token_level else "rows")
+        log.info("%s's loss ignores num_items_in_batch although its forward takes it; micro-batches are "
+                 "weighted by %s", name, how)
+    if token_level:
+        return LossWeighting(label_tokens(False), False, "label tokens (not -100, unshifted)")
+    return LossWeighting()

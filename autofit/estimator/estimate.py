@@ -1,0 +1,398 @@
+"""Fake-tensor estimator: the peak device memory of one training step under a plan, without a GPU.
+Why this module is long: the meter, the fake device and the estimator are one mechanism and
+change together.
+
+The real step runs — `StepRunner` with the plan's micro-batches, autocast, checkpointing and offload,
+the user's optimizer class and loss — on a copy of the model made of fake tensors
+(`FakeTensorMode`): every op computes shapes, dtypes and strides, and no byte of data is allocated.
+A counter (the simulated GPU's: live storages, 512-byte rounding, freed when their Python object
+dies) sees every op and keeps the total by kind, so the breakdown at the moment of the peak costs
+nothing extra. On CPU this reproduces the simulated GPU's measured peak of the same real step to the
+byte (tests/test_estimate.py).
+
+What is measured is a *second* step: before it, the optimizer takes one step on zero gradients, so
+its state (AdamW: two moments per parameter) exists, as it does from the second step of a real run.
+With accumulation, every micro-batch after the first holds what the first held plus all the
+gradients and the running loss total, and they are alike; so one micro-batch is run on existing
+gradients (and a carried total), which gives the peak of all of them at the cost of one.
+`Estimator` makes the fake copies once and measures many plans (`autofit.estimator.capacity.rank`).
+
+`device_type="cuda"` predicts a CUDA card rather than this CPU: `scaled_dot_product_attention` is
+routed to the kernels CUDA runs (flash attention for fp16/bf16 without a mask, else memory-efficient
+attention: O(T) memory, where CPU's math path — taken with attention dropout, as in training —
+keeps the T x T attention matrix), autocast follows CUDA's op lists and dropout saves a bool mask
+(`cuda_numerics.py`), and the optimizer uses the multi-tensor (`foreach`) implementation CUDA picks
+by default. `device_type="cpu"` keeps CPU's choices, so an estimate can be
+checked against the simulated GPU running the same step on real CPU tensors. In both, AdamW's scalar
+`step` counters are host memory (CUDA keeps them on the CPU unless capturable or fused).
+
+All fake tensors are on device `cpu` (fake `cuda` tensors abort the process in autograd on a CPU-only
+build); the user's model, optimizer and batch are read, never changed, and their data is never
+copied: parameters of a model on `meta`, `cpu` or `cuda` all work.
+
+Where the step reads values that fake tensors lack (a mask's rows, `.item()`, a branch on `.any()`),
+`autofit.estimator.data_dependent` gives hints; where fake tensors cannot follow the step at all (`.numpy()`,
+a fake kernel stricter than the real one), `Estimator` measures it on real rows instead
+(`autofit.estimator.sampled`, said once in the log) and its estimates have `method="sampled"`.
+
+Known differences from a card, all small or covered by `rank`'s margin and calibration:
+- the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
+- an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
+  the values, which fake tensors do not have (slightly high for unpadded batches);
+- fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
+  found-inf check needs real values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import _disable_current_modes
+
+from autofit.engine.batches import batch_size, slice_batch
+from autofit.estimator.cuda_numerics import numerics_as_on_cuda
+from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
+from autofit.gpu.device import SimulatedDevice, _map_tensors
+from autofit.errors import one_line
+from autofit.estimator.fakes import (
+    check_optimizer,
+    fake_like,
+    fake_model,
+    fake_optimizer,
+    on_device_state,
+    warm,
+)
+from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
+from autofit.plans.plan import Plan
+from autofit.gpu.simulate import SimulatedGPU, _CountingMode, round_bytes
+from autofit.engine.step import StepRunner
+
+log = logging.getLogger("autofit")
+
+DEVICE_TYPES = ("cuda", "cpu")
+SCALER_BYTES = 2 * 512  # GradScaler's scale and growth tracker, which an fp16 plan adds
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak device memory of one training step under `plan`.
+
+    `breakdown` is the memory by kind at the moment of the peak and sums to `peak_bytes`:
+    params (and buffers), grads, optimizer (state), activations (what forward and backward keep
+    and make), other (the micro-batch on the device, optimizer temporaries, the rest).
+    """
+
+    plan: Plan
+    peak_bytes: int
+    breakdown: dict = field(compare=False)
+    device_type: str = "cuda"
+    # What the model's training holds besides activations, whatever the batch and plan:
+    # {"params" (and buffers), "grads", "optimizer" (state)}. An offloaded plan keeps the state on
+    # the host (its breakdown shows 0), but it is listed here: it is what offload moved.
+    resident: dict = field(default_factory=dict, compare=False)
+    optimizer: str = "AdamW"  # the optimizer's class name, for messages
+    # The peak while optimizer.step() ran on the device: parameters, gradients, state and the
+    # update's temporaries, the same for every plan that does not offload (None when it did).
+    step_bytes: int | None = field(default=None, compare=False)
+    # "fake": a step on fake tensors; "sampled": measured on one and two real rows and
+    # extrapolated, for a model fake tensors cannot follow (autofit.estimator.sampled).
+    method: str = field(default="fake", compare=False)
+
+    def describe(self, budget: int | None = None) -> str:
+        """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
+        return format_breakdown(self.breakdown, budget)
+
+
+# -- the counter, with a kind per storage ------------------------------------------------------
+
+class _Meter(SimulatedGPU):
+    """The simulated GPU's counter keeping running totals by kind and the breakdown at its peak.
+
+    The peak kept here (`top`) is reset only by `start()`, not by the step's own
+    `reset_peak_memory_stats()` calls, so it is the whole step's peak.
+    """
+
+    name = "estimator"
+
+    def __init__(self):
+        super().__init__(None)
+        self.kind = "activations"        # the kind new storages get
+        self._kinds: dict[int, str] = {}  # storage key -> kind
+        self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it
+        self.totals = dict.fromkeys(KINDS, 0)
+        self.top = 0
+        self.top_breakdown = dict(self.totals)
+        self.in_step = False   # inside optimizer.step()
+        self.step_top = None   # the peak while it ran
+        self.carried = None    # the earlier micro-batches' loss total, until the step
+        self.outer_top, self.outer_breakdown = 0, dict(self.totals)  # the peak outside the step
+
+    def start(self) -> None:
+        self.top = self.outer_top = self._allocated
+        self.top_breakdown = dict(self.totals)
+        self.outer_breakdown = dict(self.totals)
+
+    def step_begins(self, *_) -> None:
+        self.carried = None  # the step's own total has replaced it
+        self.kind, self.in_step = "other", True  # the update's temporaries
+        self.step_top = max(self.step_top or 0, self._allocated)
+
+    def step_ends(self, *_) -> None:
+        self.kind, self.in_step = "activations", False
+
+    @contextlib.contextmanager
+    def as_kind(self, kind: str):
+        previous, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = previous
+
+    def _storage_bytes(self, storage) -> int:
+        return upper_bound(storage.nbytes())
+
+    def _account(self, tensors, check: bool = True, inputs=()) -> None:
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        super()._account(tensors, check, inputs)
+        for t in tensors:
+            key = id(t.untyped_storage())
+            entry = self._live.get(key)
+            if entry is None:
+                continue
+            kind = self._kinds.get(key)
+            if kind is None:
+                self._kinds[key] = kind = self.kind
+                self.totals[kind] += entry[1]
+                self._sizes[key] = entry[1]
+            elif self._sizes[key] != entry[1]:  # resized in place
+                self.totals[kind] += entry[1] - self._sizes[key]
+                self._sizes[key] = entry[1]
+        if self._allocated > self.top:
+            self.top = self._allocated
+            self.top_breakdown = dict(self.totals)
+        if self.in_step and self._allocated > self.step_top:
+            self.step_top = self._allocated
+        elif not self.in_step and self._allocated > self.outer_top:
+            self.outer_top, self.outer_breakdown = self._allocated, dict(self.totals)
+
+    def _forget(self, key: int, nbytes: int) -> None:
+        if key in self._live:
+            kind = self._kinds.pop(key, None)
+            size = self._sizes.pop(key, nbytes)
+            if kind is not None:
+                self.totals[kind] -= size
+        super()._forget(key, nbytes)
+
+    def retag(self, tensors, kind: str) -> None:
+        """Count these tensors' storages as `kind` from now on (a gradient made in backward)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = id(t.untyped_storage())
+            old = self._kinds.get(key)
+            if old is not None and old != kind and key in self._live:
+                size = self._sizes[key]
+                self.totals[old] -= size
+                self.totals[kind] += size
+                self._kinds[key] = kind
+
+
+class _FakeDevice(SimulatedDevice):
+    """The device StepRunner runs on during an estimate: the simulated GPU's, with the meter as its
+    counter (no budget) and the batch copies counted as "other"."""
+
+    def __init__(self, meter: _Meter):
+        super().__init__(meter)
+        self.name = "estimator"
+
+    def to_device(self, batch):
+        with self.gpu.as_kind("other"):
+            return _map_tensors(batch, lambda t: t.clone())
+
+
+# -- the estimate -------------------------------------------------------------------------------
+
+class Estimator:
+    """Fake copies of a model, its optimizer (with state) and a batch, made once; `measure(plan)`
+    runs one step per plan. `estimate()` is one plan; `autofit.estimator.capacity.rank` measures many."""
+
+    def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+        if device_type not in DEVICE_TYPES:
+            raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)} but got "
+                             f"{device_type!r}.")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got "
+                            f"{loss_fn!r}.")
+        self.rows = batch_size(batch)  # raises on a batch that cannot be split
+        self.device_type, self.loss_fn = device_type, loss_fn
+        self.estimates = 0  # how many plans were measured
+        # A shape environment so that values read from data (`loss.item()`, a mask's row count)
+        # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
+        shape_env = ShapeEnv()
+        shape_env.real_tensor_prop_unbacked_vals = Hints(shape_env)
+        self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
+        check_optimizer(optimizer, model)  # a wrong argument is said as such, never sampled around
+        self._source, self._sampled = (model, batch, optimizer), None
+        try:
+            with self._quiet(), self.mode:
+                self.model, fakes = fake_model(model)
+                self.model.train()
+                self.optimizer = fake_optimizer(optimizer, model, fakes, device_type)
+                warm(self.optimizer)
+                self.batch = _map_tensors(batch, fake_like)
+        except Exception as error:
+            self._sample(error)
+            return
+        self.optimizer_name = type(self.optimizer).__name__
+        self.resident = self._resident()
+
+    def _sample(self, error: Exception) -> None:
+        """Fake tensors cannot follow this model: measure it on real rows from now on
+        (autofit.estimator.sampled), or raise `error` when that fails too."""
+        from autofit.estimator.sampled import SampledEstimator
+        model, batch, optimizer = self._source
+        try:
+            self._sampled = SampledEstimator(model, batch, optimizer, self.loss_fn,
+                                             device_type=self.device_type)
+        except Exception as sample_error:
+            error.add_note(f"measuring it on real rows failed too: {type(sample_error).__name__}: "
+                           f"{sample_error}")
+            raise error from None
+        log.info("estimator: fake tensors cannot follow %s (%s); measuring it on 1 and 2 real rows",
+                 type(model).__name__, one_line(error))
+        self.model, self.resident = self._sampled.model, self._sampled.resident
+        self.optimizer_name = self._sampled.optimizer_name
+
+    def _quiet(self):
+        """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on;
+        tensors made without a device are CPU tensors, whatever default device the caller set."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(_disable_current_modes())
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.device("cpu"))
+        stack.enter_context(silenced_torch_logs())
+        return stack
+
+    def _state(self) -> list[torch.Tensor]:
+        return on_device_state(self.optimizer)
+
+    def _resident(self) -> dict:
+        """Bytes that every plan keeps on the device at its optimizer step, whatever the batch."""
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return {"params": storage_bytes(params),
+                "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
+                "optimizer": storage_bytes(self._state())}
+
+    def measure(self, plan: Plan) -> MemoryEstimate:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+        if self._sampled is None:
+            cached = len(FakeTensorMode.cache)
+            try:
+                with self._quiet():
+                    estimate = self._measure(plan)
+            except Exception as error:
+                self._sample(error)
+            finally:
+                _forget_cached_dispatch(cached)
+        if self._sampled is not None:
+            estimate = self._sampled.measure(plan)
+        self.estimates += 1
+        return estimate
+
+    def _device(self, meter):
+        return _FakeDevice(meter)
+
+    def _measure(self, plan: Plan) -> MemoryEstimate:
+        meter = _Meter()
+        device = self._device(meter)
+        # fp16 has bf16's sizes; GradScaler's found-inf check needs real values.
+        run_plan = plan.replace(precision="bf16") if plan.precision == "fp16" else plan
+        # With accumulation, every micro-batch after the first holds what the first held plus all
+        # the gradients (and the loss total so far), and they are alike: one full micro-batch run
+        # on existing gradients measures the peak of them all.
+        batch, accumulates = self.batch, self.rows > plan.micro_batch_size
+        if accumulates:
+            batch = slice_batch(batch, 0, plan.micro_batch_size)
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        state = [] if plan.offload_optimizer else self._state()
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
+                 for p in _unique(self.model.parameters()) if p.requires_grad]
+        hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
+        hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
+        attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
+                     else contextlib.nullcontext())
+        try:
+            with self.mode, attention, _CountingMode(meter):
+                with meter.as_kind("params"):
+                    meter.track(params)
+                with meter.as_kind("optimizer"):
+                    meter.track(state)
+                if accumulates:
+                    with meter.as_kind("grads"), torch.no_grad():
+                        for p in _unique(self.model.parameters()):
+                            if p.requires_grad:
+                                p.grad = torch.zeros_like(p)
+                    with meter.as_kind("other"):
+                        meter.carried = torch.zeros((), device="cpu")  # the loss total so far
+                runner = StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+                meter.start()
+                try:
+                    runner.run(batch, run_plan)
+                    # Read before close(): bringing offloaded state back is the end of a run.
+                    peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
+                    self.last_meter = meter  # what autofit.estimator.sampled extrapolates
+                finally:
+                    runner.close()
+        finally:
+            for h in hooks:
+                h.remove()
+            self.optimizer.zero_grad(set_to_none=True)
+        if plan.precision == "fp16":
+            peak += SCALER_BYTES
+            breakdown["other"] += SCALER_BYTES
+        return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
+                              device_type=self.device_type, resident=dict(self.resident),
+                              step_bytes=step,
+                              optimizer=self.optimizer_name)
+
+
+def _forget_cached_dispatch(keep: int) -> None:
+    """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
+    trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
+    one estimator measuring many plans would otherwise grow host memory with every plan."""
+    cache = FakeTensorMode.cache
+    for key in list(itertools.islice(cache, keep, None)):
+        cache.pop(key, None)
+
+
+def _unique(tensors):
+    seen = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def estimate(model, batch, plan: Plan, optimizer=None, loss_fn=None, *,
+             device_type: str = "cuda") -> MemoryEstimate:
+    """Predict the peak device memory of a training step of `model` on `batch` under `plan`.
+
+    `batch` is one global batch (on any device, `meta` included); `optimizer` is None (AdamW), an
+    Optimizer (its class, options and current state) or a factory `params -> Optimizer`; `loss_fn`
+    as in `autofit.run`. Nothing of the caller's is changed and no tensor data is allocated.
+
+    >>> est = estimate(model, batch, Plan(micro_batch_size=8, accumulation_steps=4))  # doctest: +SKIP
+    >>> est.peak_bytes, est.breakdown  # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type).measure(plan)

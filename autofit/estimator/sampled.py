@@ -1,0 +1,180 @@
+"""Measured on a small real sample: the estimate of a model that fake tensors cannot follow.
+
+Fake tensors have shapes but no values, so a step that needs values the fake-tensor estimator cannot
+hint (`.numpy()`, a custom kernel without a meta function, a meta kernel stricter than this
+machine's) cannot be estimated on them. Then the real step runs on one and two real rows of the
+batch (two and three when one row does not run, as BatchNorm's), counted by the estimator's own meter (the simulated GPU's live-bytes counter), and the peak is
+extrapolated linearly in the micro-batch size: activations grow with the rows, the rest does not.
+An offloaded plan is the same plan on the device less the optimizer state it moves to the host.
+
+The model, its optimizer and torch's RNG are left exactly as they were: parameters, buffers,
+gradients, optimizer state (the same tensor objects, their values copied back), param_groups,
+train/eval modes and the global RNG state are restored after every measurement. A model on `meta`
+has no values to run, and cannot be sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from autofit.engine.batches import slice_batch
+from autofit.gpu.device import _map_tensors
+from autofit.estimator.estimate import Estimator, MemoryEstimate, _FakeDevice
+from autofit.estimator.fakes import warm
+from autofit.plans.plan import Plan
+
+# Micro-batch sizes measured, the first two that run (BatchNorm refuses one row in training);
+# the peak is a line through them.
+SAMPLE_ROWS = (1, 2, 3, 4)
+
+
+class SampledEstimator(Estimator):
+    """`measure(plan)` like the fake-tensor Estimator's, measured on real rows of the batch."""
+
+    method = "sampled"
+
+    def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda"):
+        tensors = list(model.parameters()) + list(model.buffers())
+        if any(t.is_meta for t in tensors):
+            raise ValueError("the model's tensors are on meta: there are no values to run a real sample "
+                             "through.")
+        self.device_type, self.loss_fn, self.estimates = "cpu", loss_fn, 0  # real kernels run
+        self.asked_device_type = device_type
+        self.full_batch, self.mode, self.model = batch, contextlib.nullcontext(), model
+        from autofit.engine.batches import batch_size
+        self.full_rows = batch_size(batch)
+        self.target = tensors[0].device if tensors else torch.device("cpu")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizer = optimizer
+        elif optimizer is None:
+            self.optimizer = torch.optim.AdamW(model.parameters())
+        else:
+            self.optimizer = optimizer(list(model.parameters()))
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}; it "
+                                f"must return a torch.optim.Optimizer.")
+        self.optimizer_name = type(self.optimizer).__name__
+        with self._quiet(), restored(model, self.optimizer):
+            warm(self.optimizer)  # the state a second step holds
+            self.resident = self._resident()
+
+    def _device(self, meter):
+        return _SampleDevice(meter, self.target)
+
+    def measure(self, plan: Plan) -> MemoryEstimate:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+        on_device = plan.replace(offload_optimizer=False)
+        accumulation = 2 if self.full_rows > plan.micro_batch_size else 1
+        points, first_error = [], None
+        with self._quiet(), restored(self.model, self.optimizer):
+            self.model.train()  # a training step, whatever mode the caller left the model in
+            warm(self.optimizer)
+            for rows in SAMPLE_ROWS:
+                if len(points) == 2 or rows * accumulation > self.full_rows:
+                    break
+                self.batch = slice_batch(self.full_batch, 0, rows * accumulation)
+                self.rows = rows * accumulation
+                try:
+                    estimate = self._measure(on_device.replace(micro_batch_size=rows,
+                                                               accumulation_steps=accumulation))
+                except Exception as error:  # e.g. BatchNorm refuses one row: try more rows
+                    if points:
+                        raise
+                    first_error = first_error or error
+                    continue
+                points.append((rows, estimate, self.last_meter))
+                self.last_meter = None
+        if not points:
+            raise first_error if first_error is not None else ValueError(
+                f"the batch has {self.full_rows} row(s); a real sample needs at least one.")
+        self.estimates += 1
+        return _extrapolate(points, plan)
+
+
+def _extrapolate(points: list, plan: Plan) -> MemoryEstimate:
+    """The estimate at plan.micro_batch_size rows from (rows, estimate, meter) at one or two sizes:
+    the peak of forward and backward, and the optimizer step's, are each a line through them (the
+    step's barely grows: the micro-batch it still holds); the larger one is the step's peak."""
+    m = plan.micro_batch_size
+    if len(points) == 2 and m <= points[0][0]:
+        points = points[:1]
+    rows, last, meter = points[-1]
+
+    def line(value):
+        if len(points) == 1:
+            return value(points[0])
+        (r0, *_), (r1, *_) = points
+        slope = max(value(points[1]) - value(points[0]), 0) / (r1 - r0)
+        return value(points[1]) + round((m - r1) * slope)
+    outer = line(lambda p: p[2].outer_top)
+    step = line(lambda p: p[1].step_bytes or 0)
+    if outer >= step:
+        peak, breakdown = outer, dict(meter.outer_breakdown)
+        breakdown["activations"] += outer - meter.outer_top
+    else:  # the optimizer step is the peak: what the step holds, and the micro-batch
+        peak, breakdown = step, dict(last.breakdown)
+        breakdown["other"] += step - last.peak_bytes
+    step_bytes = step or None
+    if plan.offload_optimizer:  # the state, and the update's temporaries, live on the host
+        state = last.resident.get("optimizer", 0)
+        peak -= state
+        breakdown["optimizer"] = max(breakdown["optimizer"] - state, 0)
+        step_bytes = None
+    return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown, device_type="cpu",
+                          resident=dict(last.resident), optimizer=last.optimizer, step_bytes=step_bytes,
+                          method="sampled")
+
+
+class _SampleDevice(_FakeDevice):
+    """The meter's device, with the sample's rows copied to where the model lives."""
+
+    def __init__(self, meter, target):
+        super().__init__(meter)
+        self.target = target
+
+    def to_device(self, batch):
+        with self.gpu.as_kind("other"):
+            return _map_tensors(batch, lambda t: t.to(self.target, copy=True))
+
+
+@contextlib.contextmanager
+def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """Inside, anything may train the model; after, its tensors, gradients, modes, the optimizer's
+    state and groups and torch's RNG are as before (values copied back into the same objects)."""
+    tensors = list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
+    values = [t.detach().to("cpu", copy=True) for t in tensors]
+    grads = [(p, p.grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    state = {p: (s, dict(s)) for p, s in optimizer.state.items()}  # each dict, and what it held
+    state_values = {p: {k: v.detach().to("cpu", copy=True) for k, v in held.items()
+                        if isinstance(v, torch.Tensor)} for p, (_, held) in state.items()}
+    groups = [(g, {k: copy.copy(v) for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, values):
+                t.copy_(v)
+            for p in [p for p in optimizer.state if p not in state]:
+                del optimizer.state[p]
+            for p, (s, held) in state.items():
+                s.clear()
+                s.update(held)
+                for k, v in state_values[p].items():
+                    s[k].copy_(v)
+                optimizer.state[p] = s
+        for p, g in grads:
+            p.grad = g
+        for m, training in modes:
+            m.training = training
+        for g, options in groups:
+            g.update(options)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

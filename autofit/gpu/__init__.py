@@ -1,0 +1,1 @@
+"""The device: CUDA, the simulated GPU and its allocator model, memory counting, OOM recognition."""

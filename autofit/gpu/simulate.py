@@ -1,0 +1,307 @@
+"""Simulated GPU: a memory budget enforced on CPU tensors, allocated as CUDA's caching allocator does.
+
+A TorchDispatchMode sees every op; each new storage an op returns is counted (rounded up to 512
+bytes like the CUDA caching allocator) until its Python object dies, which a weak reference reports.
+Each storage also takes a block from a model of the caching allocator (`allocator.py`), so the
+simulated GPU knows what a card would *reserve* (segments, cached free blocks, fragmentation).
+With `caps="reserved"` the budget caps reserved bytes as `set_per_process_memory_fraction` does,
+and a reservation that cannot be made, even after the cache is released, is the OOM. The default,
+`caps="allocated"`, caps live bytes, which is what budgets of tiny test models are sized by (a
+budget under one 2 MiB segment means nothing to a caching allocator). Either way an OOM raises the
+real `torch.OutOfMemoryError` with CUDA's message shape, so code under test takes exactly the path
+it would take on a card. Faults can also be injected at the k-th allocation, which
+is how tests prove that every allocation of a step is survivable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autofit.gpu.allocator import AllocationFailed, CachingAllocator
+from autofit.sizes import format_size, parse_size
+
+ROUNDING = 512
+CAPS = ("allocated", "reserved")  # what a simulated GPU's budget limits
+
+_active = threading.local()
+
+
+def round_bytes(nbytes: int) -> int:
+    return -(-nbytes // ROUNDING) * ROUNDING
+
+
+def active_gpu() -> "SimulatedGPU | None":
+    """The simulated GPU whose context this thread is in, if any."""
+    return getattr(_active, "gpu", None)
+
+
+class SimulatedGPU:
+    """Live-bytes counter and caching-allocator model with an optional budget on reserved bytes.
+    Use through `simulate_gpu(...)`."""
+
+    name = "simulated"
+
+    def __init__(self, budget=None, expandable_segments: bool = False, caps: str = "allocated"):
+        if caps not in CAPS:
+            raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}.")
+        self.budget = None if budget is None else parse_size(budget)
+        self.caps = caps
+        self.allocator = CachingAllocator(self.budget if caps == "reserved" else None,
+                                          expandable=expandable_segments)
+        # storage key -> (weak reference, counted bytes, the allocator's block)
+        self._live: dict[int, tuple[weakref.ref, int, object]] = {}
+        self._allocated = 0
+        self._peak = 0
+        self._allocations = 0
+        self._fail_at: int | None = None
+        self._counting = 0  # > 0 inside untracked(): host memory, not counted
+        self._ref_keys: dict[int, int] = {}  # id(weak reference) -> storage key
+        self._dead = _death_callback(weakref.ref(self))  # one callback for every storage
+
+    # -- the counters, named as torch.cuda's ---------------------------------------------------
+    def memory_allocated(self) -> int:
+        return self._allocated
+
+    def max_memory_allocated(self) -> int:
+        return self._peak
+
+    def memory_reserved(self) -> int:
+        """Bytes the caching allocator holds: allocated blocks, cached free blocks, split remainders."""
+        return self.allocator.reserved
+
+    def max_memory_reserved(self) -> int:
+        return self.allocator.max_reserved
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is wholly free, as torch.cuda.empty_cache() does."""
+        self.allocator.release_cached()
+
+    def reset_peak_memory_stats(self) -> None:
+        self._peak = self._allocated
+        self.allocator.reset_peak()
+
+    @property
+    def allocation_count(self) -> int:
+        """How many storages have been allocated on this GPU so far (fault injection counts these)."""
+        return self._allocations
+
+    def free_bytes(self) -> int | None:
+        """Bytes that may still be allocated: the budget less what live tensors hold (cached free
+        blocks count as free, as on CUDA, where they are released before an OOM)."""
+        return None if self.budget is None else self.budget - self._allocated
+
+    # -- fault injection ----------------------------------------------------------------------
+    def fail_at(self, index: int | None) -> None:
+        """Make the allocation with this `allocation_count` index raise OOM once (None disarms)."""
+        if index is not None and index < 0:
+            raise ValueError(f"fail_at index must be >= 0 but got {index}.")
+        self._fail_at = index
+
+    @property
+    def fault_armed(self) -> bool:
+        return self._fail_at is not None
+
+    # -- what lives on the device --------------------------------------------------------------
+    def track(self, tensors) -> None:
+        """Count tensors made before the simulation started (the model after it is 'moved' here)."""
+        self._account(list(tensors), check=False)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor.untyped_storage()) in self._live
+
+    def live_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+        out = []
+        for ref, nbytes, _block in list(self._live.values()):
+            storage = ref()
+            if storage is not None:
+                out.append((storage, nbytes))
+        return out
+
+    @contextlib.contextmanager
+    def untracked(self):
+        """Allocations inside are host memory: not counted, never failing."""
+        self._counting += 1
+        try:
+            yield
+        finally:
+            self._counting -= 1
+
+    # -- accounting ----------------------------------------------------------------------------
+    def _forget(self, key: int, nbytes: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._allocated -= nbytes
+            if entry[2] is not None:
+                self.allocator.free(entry[2])
+
+    def _storage_bytes(self, storage) -> int:
+        return storage.nbytes()
+
+    def _account(self, tensors, check: bool = True, inputs=()) -> None:
+        fresh = []
+        given = None  # storages of the op's inputs: outputs that share one were not allocated by it
+        live = self._live
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            nbytes = -(-self._storage_bytes(storage) // ROUNDING) * ROUNDING
+            known = live.get(key)
+            if known is not None:
+                if known[1] != nbytes:  # resized in place (out= ops, resize_)
+                    fresh.append((storage, key, nbytes - known[1], nbytes))
+                continue
+            if inputs:
+                if given is None:
+                    given = {id(i.untyped_storage()) for i in _tensors(inputs)}
+                if key in given:
+                    continue  # a view of, or an in-place write to, memory made outside the simulation
+            if all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them later
+                fresh.append((storage, key, nbytes, nbytes))
+        if not fresh:
+            return
+        if check:
+            for storage, key, extra, nbytes in fresh:
+                if extra == 0:
+                    continue  # an empty storage allocates nothing
+                if self._fail_at is not None and self._allocations == self._fail_at:
+                    self._fail_at = None
+                    self._allocations += 1
+                    raise self._oom(extra, injected=True)
+                self._allocations += 1
+            if self.caps == "allocated" and self.budget is not None:
+                need = sum(f[2] for f in fresh)
+                if self._allocated + need > self.budget:
+                    raise self._oom(need)
+        blocks, malloc = [], self.allocator.malloc
+        try:
+            for storage, key, extra, nbytes in fresh:
+                # A storage grown in place (resize_) gets a new block; its old one is freed below.
+                blocks.append(malloc(nbytes, check) if nbytes else None)
+        except AllocationFailed:
+            for block in blocks:
+                if block is not None:
+                    self.allocator.free(block)
+            raise self._oom(sum(f[2] for f in fresh)) from None
+        for (storage, key, extra, nbytes), block in zip(fresh, blocks):
+            old = self._live.get(key)
+            if old is not None and old[2] is not None:
+                self.allocator.free(old[2])
+            ref = weakref.ref(storage, self._dead)
+            self._ref_keys[id(ref)] = key
+            live[key] = (ref, nbytes, block)
+            self._allocated += extra
+        self._peak = max(self._peak, self._allocated)
+
+    def _oom(self, need: int, injected: bool = False) -> torch.OutOfMemoryError:
+        budget = "unlimited" if self.budget is None else format_size(self.budget)
+        reserved = self.allocator.reserved
+        used = reserved if self.caps == "reserved" else self._allocated
+        free = "unlimited" if self.budget is None else format_size(max(self.budget - used, 0))
+        why = " (injected fault)" if injected else ""
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_size(need)}. GPU 0 has a total capacity of "
+            f"{budget} of which {free} is free. Of the allocated memory "
+            f"{format_size(self._allocated)} is allocated by PyTorch (simulated GPU){why}, and "
+            f"{format_size(max(reserved - self._allocated, 0))} is reserved by PyTorch but unallocated.")
+
+
+def _tensors(obj) -> list:
+    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts), in order: a
+    plain walk, several times cheaper per op than pytree's."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+    return out
+
+
+def _death_callback(gpu_ref):
+    """What a storage's weak reference calls when the storage dies (the GPU held weakly: storages
+    may outlive the simulation)."""
+    def dead(ref):
+        g = gpu_ref()
+        if g is not None:
+            key = g._ref_keys.pop(id(ref), None)
+            entry = g._live.get(key)
+            if entry is not None and entry[0] is ref:
+                g._forget(key, entry[1])
+    return dead
+
+
+class _CountingMode(TorchDispatchMode):
+    def __init__(self, gpu: SimulatedGPU):
+        super().__init__()
+        self.gpu = gpu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.gpu._counting:
+            allocates = _ALLOCATES.get(func)
+            if allocates is None:
+                allocates = _ALLOCATES[func] = _may_allocate(func)
+            if allocates:
+                # the inputs are flattened only when an output's storage is new to the counter
+                self.gpu._account(_tensors(out), inputs=(args, kwargs))
+        return out
+
+
+_ALLOCATES: dict = {}  # op -> whether its outputs can hold new or resized storage
+_RESIZING = {"resize_", "resize_as_", "set_", "_resize_output_"}
+
+
+def _may_allocate(func) -> bool:
+    """False for ops whose every result aliases an input without resizing it: views (view,
+    transpose, expand, detach, ...) and in-place ops other than resizing ones and out= variants.
+    Skipping them is most of what keeps the counter cheap per op."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return schema is None
+    name = schema.name.split("::")[-1]
+    if name in _RESIZING:
+        return True
+    if any(r.alias_info is None for r in schema.returns):
+        return True  # a new tensor
+    # every result aliases an input: a view, an in-place op, or an out= variant (which may resize)
+    return not name.endswith("_") and any(r.alias_info.is_write for r in schema.returns)
+
+
+@contextlib.contextmanager
+def simulate_gpu(budget=None, *, caps: str = "allocated", expandable_segments: bool = False):
+    """CPU tensors made inside count against `budget` bytes ("2GiB", an int, or None: no limit).
+
+    `caps="allocated"` limits live tensor bytes; `caps="reserved"` limits what the modelled caching
+    allocator reserves, as on a card. `expandable_segments=True` models
+    `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
+
+    >>> with simulate_gpu("2GiB") as gpu:
+    ...     x = torch.zeros(1024)
+    ...     gpu.memory_allocated(), gpu.memory_reserved()
+    (4096, 2097152)
+    """
+    if active_gpu() is not None:
+        raise RuntimeError("simulate_gpu contexts cannot be nested; use the GPU you already have.")
+    if not isinstance(expandable_segments, bool):
+        raise TypeError(f"expandable_segments must be True or False but got {expandable_segments!r}.")
+    gpu = SimulatedGPU(budget, expandable_segments, caps)
+    _active.gpu = gpu
+    try:
+        with _CountingMode(gpu):
+            yield gpu
+    finally:
+        _active.gpu = None

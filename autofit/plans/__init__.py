@@ -1,0 +1,1 @@
+"""The plan, the precisions and the ladder of moves."""

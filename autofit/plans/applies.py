@@ -1,0 +1,49 @@
+"""Whether a plan applies to this job: moves are offers, and a plan this model, optimizer or device
+cannot run is skipped with its reason instead of raising in the middle of a run.
+
+`not_applicable(plan, ...)` names the first part of `plan` that cannot run here, or None:
+- activation checkpointing on a model with no repeated blocks and no Hugging Face switch;
+- bf16 on a device without bf16 support;
+- optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
+- a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
+  already updates one parameter at a time.
+"""
+
+from __future__ import annotations
+
+from autofit.engine.checkpointing import Checkpointing
+from autofit.engine.offload import rebuild_problem
+
+
+def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing | None = None) -> str | None:
+    """Why `plan` cannot run for this model, optimizer and device, or None when it can."""
+    if plan.checkpointing:
+        checkpointing = checkpointing or Checkpointing(model)
+        if not checkpointing.available and not checkpointing.initial:
+            return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
+                    f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
+    if plan.precision == "bf16" and not device.supports_bf16():
+        return f"bf16 is not supported on {device.describe()}"
+    if plan.offload_optimizer:
+        problem = rebuild_problem(optimizer)
+        if problem:
+            return f"optimizer offload does not apply: {problem}"
+    if plan.per_parameter_step and not plan.offload_optimizer:
+        problem = per_parameter_problem(optimizer, device)
+        if problem:
+            return f"a per-parameter optimizer step does not apply: {problem}"
+    return None
+
+
+def per_parameter_problem(optimizer, device) -> str | None:
+    """Why switching the optimizer's groups to `foreach=False` would change nothing, or None."""
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if not groups or any("foreach" not in g for g in groups):
+        return f"{name} has no foreach option"
+    if any(g.get("fused") for g in groups):
+        return f"{name} is fused (one kernel per step, no foreach temporaries)"
+    # torch picks foreach for foreach=None only on CUDA.
+    if all(g["foreach"] is False or (g["foreach"] is None and device.type != "cuda") for g in groups):
+        return f"{name} already updates one parameter at a time (foreach off)"
+    return None

@@ -1,0 +1,241 @@
+"""Moves and the ladder: how a plan steps down after running out of memory.
+
+A move is a callable `Plan -> Plan | None` (None: it cannot step further). Moves compose like
+tenacity's strategies: `a | b` tries `a`, and `b` only when `a` returns None. Every move has a
+`why`, the reason logged and recorded with each step-down.
+
+The micro-batch moves are not blind halving: they read a `SizeLog` of the sizes already seen to fit
+or fail for each configuration (precision, checkpointing, offload) and row length, never propose a
+size known to fail, and `SizeLog.probe_up` lets the controller search upward between the largest
+size that fitted and the smallest that failed, so a run settles on the largest micro-batch that fits.
+"""
+
+from __future__ import annotations
+
+from autofit.plans import precision as precisions
+from autofit.plans.plan import Plan
+from autofit.plans.sizelog import EVERY, SizeLog, config_of  # noqa: F401 (also imported from here)
+
+BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper moves come first
+
+
+class Move:
+    """A step-down. Subclasses implement `step`; `a | b` composes."""
+
+    why = "step down"
+
+    def __call__(self, plan: Plan) -> Plan | None:
+        taken = self.take(plan)
+        return None if taken is None else taken[0]
+
+    def take(self, plan: Plan, global_batch: int | None = None) -> tuple[Plan, str] | None:
+        """(new plan, reason) or None. `global_batch`: the batch the plan must cover (micro-batch x
+        accumulation may exceed it, 8 x 2 covering 9); the plan's own when not given."""
+        new = self.step_for(plan, plan.global_batch if global_batch is None else global_batch)
+        return None if new is None else (new, self.why)
+
+    def step(self, plan: Plan) -> Plan | None:
+        raise NotImplementedError
+
+    def step_for(self, plan: Plan, global_batch: int) -> Plan | None:
+        """The step for a plan that covers `global_batch`; moves that do not split it need only `step`."""
+        return self.step(plan)
+
+    def __or__(self, other) -> "Move":
+        return Either(self, as_move(other))
+
+    def __ror__(self, other) -> "Move":
+        return Either(as_move(other), self)
+
+    def __repr__(self):
+        return type(self).__name__
+
+
+class Either(Move):
+    def __init__(self, *moves: Move):
+        self.moves = []
+        for m in moves:  # flatten so repr and iteration stay readable
+            self.moves.extend(m.moves if isinstance(m, Either) else [m])
+
+    def take(self, plan, global_batch=None):
+        for move in self.moves:
+            taken = move.take(plan, global_batch)
+            if taken is not None:
+                return taken
+        return None
+
+    def __repr__(self):
+        return " | ".join(repr(m) for m in self.moves)
+
+
+class FunctionMove(Move):
+    """A user's plain function `Plan -> Plan | None` as a move."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.why = getattr(fn, "__doc__", None) or getattr(fn, "__name__", "user move")
+
+    def step(self, plan):
+        new = self.fn(plan)
+        if new is not None and not isinstance(new, Plan):
+            raise TypeError(f"move {self.fn!r} returned {new!r}; a move returns a Plan or None.")
+        return new
+
+    def __repr__(self):
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def as_move(obj) -> Move:
+    if isinstance(obj, Move):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        if not obj:
+            raise ValueError("ladder=[] has no move; give at least one move or leave ladder=None.")
+        return Either(*(as_move(m) for m in obj))
+    if callable(obj):
+        return FunctionMove(obj)
+    raise TypeError(f"a move is a callable Plan -> Plan | None, but got {obj!r}.")
+
+
+class ShrinkMicroBatch(Move):
+    """Halve the micro-batch (more accumulation steps, same global batch), not below `floor`."""
+
+    def __init__(self, sizes: SizeLog, floor: int = 1):
+        if floor < 1:
+            raise ValueError(f"floor must be >= 1 but got {floor}.")
+        self.sizes, self.floor = sizes, floor
+        self.why = f"smaller micro-batch, more accumulation (not below {floor})"
+
+    def step(self, plan):
+        return self.step_for(plan, plan.global_batch)
+
+    def step_for(self, plan, global_batch):
+        current = plan.micro_batch_size
+        if current <= self.floor:
+            return None
+        size = max(self.floor, current // 2)
+        fit = self.sizes.fit(plan)  # at the length of the batch being trained
+        if fit is not None and size < fit < current:
+            size = fit  # a size known to fit beats a blind halving
+        return plan.with_micro_batch(size, global_batch)
+
+    def __repr__(self):
+        return f"ShrinkMicroBatch(floor={self.floor})"
+
+
+class SetField(Move):
+    """Switch one plan field to a value (precision, checkpointing, offload) when it is not set yet."""
+
+    def __init__(self, name: str, value, why: str):
+        self.name, self.value, self.why = name, value, why
+
+    def step(self, plan):
+        if getattr(plan, self.name) == self.value:
+            return None
+        return plan.replace(**{self.name: self.value})
+
+    def __repr__(self):
+        return f"SetField({self.name}={self.value!r})"
+
+
+def mixed_precision(dtype: str = "bf16") -> Move:
+    if dtype not in precisions.MIXED:
+        raise ValueError(f"mixed precision is {' or '.join(map(repr, precisions.MIXED))} but got {dtype!r}.")
+    return _OnlyFromFp32(dtype)
+
+
+class _OnlyFromFp32(SetField):
+    def __init__(self, dtype):
+        super().__init__("precision", dtype, f"{dtype} autocast halves activation memory")
+
+    def step(self, plan):
+        return None if plan.precision != "fp32" else super().step(plan)
+
+
+def checkpointing() -> Move:
+    return SetField("checkpointing", True, "activation checkpointing recomputes activations in backward")
+
+
+def offload_optimizer() -> Move:
+    return SetField("offload_optimizer", True, "optimizer state moves to CPU memory")
+
+
+def per_parameter_step() -> Move:
+    return SetField("per_parameter_step", True, "the optimizer updates one parameter at a time "
+                    "(a for-loop instead of foreach), so the step's temporaries are one parameter's")
+
+
+# -- moves are offers; the phase of a failure picks which come first -----------------------------
+
+# Where an attempt ran out of memory (`StepRunner.phase`, `Attempt.where`).
+PHASES = ("forward", "backward", "optimizer.state", "optimizer.step")
+
+
+class ByPhase(Move):
+    """A ladder whose moves for a failure in a given phase come first: `general` is offered after
+    them, and alone when the phase is not known (a plain `take`)."""
+
+    def __init__(self, general, first: dict):
+        unknown = set(first) - set(PHASES)
+        if unknown:
+            raise ValueError(f"phases must be among {PHASES} but got {sorted(unknown)}.")
+        self.general = as_move(general)
+        self.first = {phase: as_move(moves) for phase, moves in first.items()}
+
+    def take(self, plan, global_batch=None):
+        return self.general.take(plan, global_batch)
+
+    def __repr__(self):
+        return "; ".join([repr(self.general)] + [f"first after {phase}: {moves!r}"
+                                                for phase, moves in self.first.items()])
+
+
+def offers(ladder: Move, phase: str = "") -> list[Move]:
+    """The moves of `ladder` in the order they are offered for a failure in `phase`."""
+    if isinstance(ladder, ByPhase):
+        first = ladder.first.get(phase)
+        return (offers(first) if first is not None else []) + offers(ladder.general)
+    if isinstance(ladder, Either):
+        return list(ladder.moves)
+    return [ladder]
+
+
+def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_batch: int | None = None):
+    """(new plan, why, skipped) from the first move that steps `plan` down to a plan that applies to
+    this job; `applies(plan) -> reason | None` says why a plan does not (no repeated blocks to
+    checkpoint, no bf16 on this device, ...), and such moves are skipped, listed in `skipped` as
+    (move, reason). (None, "", skipped) when no move has a step left. `global_batch`: the batch the
+    plan must cover, given to the moves (the plan's own micro-batch x accumulation when None)."""
+    skipped = []
+    for move in offers(ladder, phase):
+        taken = move.take(plan, global_batch)
+        if taken is None:
+            continue
+        reason = applies(taken[0]) if applies is not None else None
+        if reason:
+            skipped.append((move, reason))
+            continue
+        return taken[0], taken[1], skipped
+    return None, "", skipped
+
+
+def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool = True) -> Move:
+    """Exact moves first (accumulation), then cheaper numerics, then recomputation, then offload.
+
+    With precision="auto": micro-batch down to BUSY_FLOOR, bf16 autocast (fp16 where bf16 is
+    unsupported), checkpointing, micro-batch down to 1, optimizer offload. A fixed precision never
+    changes.
+    """
+    steps = [ShrinkMicroBatch(sizes, floor=BUSY_FLOOR)]
+    if precision == "auto":
+        steps.append(mixed_precision(precisions.mixed_for(bf16_supported)))
+    steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
+    return phased(Either(*steps))
+
+
+def phased(general: Move) -> ByPhase:
+    """`general` with the moves that fit each phase first: an optimizer step that runs out of memory
+    updates one parameter at a time, then moves its state to the host; the state's creation (the
+    first step) moves it to the host; forward and backward (activations) take `general` as is."""
+    return ByPhase(general, {"optimizer.step": [per_parameter_step(), offload_optimizer()],
+                             "optimizer.state": [offload_optimizer()]})

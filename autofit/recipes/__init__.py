@@ -1,0 +1,1 @@
+"""What users call: the stepper, run and evaluate."""

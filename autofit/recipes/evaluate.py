@@ -1,0 +1,369 @@
+"""Evaluation: the model's loss (and metrics) on held-out data, with its own batch size and OOM ladder.
+
+Evaluation never trains (guarantee 5): it runs in `torch.inference_mode()` with the model in eval
+mode, creates no gradient, never touches the optimizer, and never changes the training plan. It has
+its own batch size, larger than training's micro-batch where memory allows (no saved activations,
+no gradients), and its own small ladder: on an out-of-memory error the evaluation batch is halved,
+a size known to fail is never tried again, and the rows that failed are evaluated again at the
+smaller size, so every sample counts exactly once. An `EvalSizer` remembers the working size between
+calls, which is how `autofit.run` keeps it from one epoch to the next.
+
+The loss is the weighted mean of the per-batch mean losses, weighted by rows, or by label tokens for
+token-level losses (as in training), so it equals one plain `torch.no_grad()` pass over all the data
+at once, whatever sizes the ladder settled on.
+
+Data:
+- a map-style `Dataset`: read in order (no shuffling) and collated with `default_collate`, as many
+  samples at a time as the current evaluation batch size;
+- any iterable of batches (a `DataLoader`, a list): each batch it yields is evaluated in evaluation
+  batches of the current size (the whole batch at once when no size was asked for); batches are
+  never merged.
+
+`metric_fn(output, batch) -> dict[str, float]` is called once per evaluation batch with the model's
+output for that batch (what `model(...)` returned, e.g. a Hugging Face output with `.logits`; with a
+`loss_fn`, the output of the last top-level `model(...)` call it made, or None if it made none) and
+the batch itself, on the device. Each value is that batch's mean over its samples (a float or a
+0-dimensional tensor); the result is their mean weighted by the batch's samples, so a metric that is
+a mean over samples (accuracy) comes out exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import slice_batch, token_counter
+from autofit.engine.controller import CUDA_BASELINE_SLACK
+from autofit.gpu.device import describe_tensors, open_device
+from autofit.recipes.eval_data import check_data, check_structure, is_map_dataset, units
+from autofit.errors import DoesNotFit, MemoryNotReleased, MetricError, NoLossError
+from autofit.gpu.oom import is_oom, release, summarize
+from autofit.sizes import format_size
+from autofit.engine.step import compute_loss
+
+log = logging.getLogger("autofit")
+
+# A map-style Dataset evaluated on its own, with no size asked for, starts here; the ladder halves it.
+DEFAULT_DATASET_BATCH = 128
+# autofit.run starts evaluation at this many times the training micro-batch: an inference forward
+# keeps one layer's working memory instead of every layer's saved activations, and needs neither
+# gradients nor a second copy of anything, so several training micro-batches fit in its place.
+EVAL_START_FACTOR = 4
+RESERVED_KEYS = ("epoch", "loss", "samples", "batch_size")
+
+
+@dataclass(frozen=True)
+class EvalAttempt:
+    """One evaluation batch size tried: the first at each size, and every one that ran out of memory."""
+
+    batch_size: int        # rows put through one forward pass
+    outcome: str           # "ok" | "oom"
+    reason: str            # why this size was tried
+    batch: int = 0         # index of the data's batch (or of the Dataset chunk) being evaluated
+    first_sample: int = 0  # index of the first sample of the attempt in the evaluation data
+    peak_bytes: int = 0
+    error: str = ""        # the OOM message, for outcome "oom"
+
+    def describe(self) -> str:
+        text = f"evaluation batch {self.batch}: {self.batch_size} rows -> {self.outcome}"
+        if self.peak_bytes:
+            text += f" (peak {format_size(self.peak_bytes)})"
+        if self.outcome == "oom":
+            text += f": {self.error}"
+        return text + f" [{self.reason}]"
+
+
+@dataclass
+class EvalSizer:
+    """The evaluation batch size, remembered across calls (autofit.run keeps one per run).
+
+    `size`: rows per forward pass now (None: each batch as the data yields it); `fits`: the most
+    rows that ran; `fails`: the fewest rows that ran out of memory, never tried again.
+    """
+
+    size: int | None = None
+    fits: int = 0
+    fails: int | None = None
+
+    def rows(self, remaining: int, ceiling: int | None = None) -> int:
+        """Rows to evaluate next out of `remaining`; 0 when even one row is known to fail."""
+        size = remaining if self.size is None else self.size
+        if ceiling is not None:
+            size = min(size, ceiling)
+        if self.fails is not None:
+            size = min(size, self.fails - 1)
+        return max(min(size, remaining), 0)
+
+    def ok(self, rows: int) -> None:
+        self.fits = max(self.fits, rows)
+
+    def oom(self, rows: int) -> int | None:
+        """Record a failure at `rows`; the next size (halved), or None when one row failed."""
+        self.fails = rows if self.fails is None else min(self.fails, rows)
+        if self.fits >= rows:
+            self.fits = 0  # it fitted when more memory was free; not any more
+        if rows <= 1:
+            return None
+        self.size = rows // 2
+        return self.size
+
+
+@dataclass
+class EvalResult:
+    loss: float                 # weighted mean loss over every sample (label tokens for token losses)
+    samples: int                # rows evaluated
+    batch_size: int             # the evaluation batch that worked (most rows in one forward at the end)
+    attempts: list = field(default_factory=list)   # list[EvalAttempt]
+    metrics: dict = field(default_factory=dict)    # name -> sample-weighted mean of metric_fn values
+    weight: float = 0.0         # what the loss is a mean over: rows, or label tokens (to combine ranks')
+
+    def record(self, epoch: int) -> dict:
+        """The entry autofit.run appends to `result.eval_history`."""
+        return {"epoch": epoch, "loss": self.loss, "samples": self.samples,
+                "batch_size": self.batch_size, **self.metrics}
+
+
+# -- the evaluator ------------------------------------------------------------------------------
+
+def _modes(model):
+    return [(m, m.training) for m in model.modules()]
+
+
+def _buffers(model):
+    return {(id(m), name): b for m in model.modules() for name, b in m._buffers.items() if b is not None}
+
+
+def _normal_buffers(model, before: dict) -> None:
+    """Buffers a forward (re)created under inference_mode are inference tensors, which autograd
+    refuses to save for backward; give them back as normal tensors so training can go on."""
+    for m in model.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_inference() and before.get((id(m), name)) is not b:
+                m._buffers[name] = b.clone()
+
+
+def _metric_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+class _Evaluator:
+    def __init__(self, model, device, loss_fn, metric_fn, sizer, ceiling, expect_like, first_reason):
+        self.model, self.device = model, device
+        self.loss_fn, self.metric_fn = loss_fn, metric_fn
+        self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
+        self.count_tokens = token_counter(model) if loss_fn is None else None
+        self.reason = first_reason
+        self.attempts: list[EvalAttempt] = []
+        self.output = None  # the model's output of the current forward, for metric_fn
+        self.loss_sum = 0.0
+        self.weight_sum = 0
+        self.samples = 0
+        self.metric_sums: dict[str, float] = {}
+        self.final_rows = 0  # most rows run in one forward since the last step-down
+
+    def capture(self, module, args, output):
+        self.output = output
+
+    def run(self, units, progress: bool) -> EvalResult:
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = units = tqdm(units, desc="eval", leave=False)
+        try:
+            for index, first_sample, unit in units:
+                rows = rows_of(unit)
+                check_structure(unit, self.expect_like, index)
+                self.evaluate_unit(index, first_sample, unit, rows)
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.samples == 0:
+            raise ValueError("evaluation data yielded no batch; give at least one.")
+        if self.weight_sum == 0:
+            raise ValueError("the evaluation data has no label token (every label is -100), so it has no "
+                             "loss; check the labels.")
+        metrics = {k: v / self.samples for k, v in self.metric_sums.items()}
+        return EvalResult(self.loss_sum / self.weight_sum, self.samples, self.final_rows,
+                          self.attempts, metrics, self.weight_sum)
+
+    def evaluate_unit(self, index: int, first_sample: int, unit, rows: int) -> None:
+        pos = 0
+        while pos < rows:
+            size = self.sizer.rows(rows - pos, self.ceiling)
+            if size == 0:
+                raise DoesNotFit(
+                    f"evaluation of one row ran out of memory earlier (batch {index}) on "
+                    f"{self.device.describe()}; free memory held outside the model (an old optimizer, "
+                    f"outputs kept in a list) or evaluate with a larger budget.", attempts=self.attempts,
+                    budget=self.device.budget)
+            part = slice_batch(unit, pos, pos + size)
+            baseline = self.device.memory_allocated()
+            self.device.reset_peak_memory_stats()
+            failure = None
+            try:
+                loss, weight, metrics = self.forward(part, index, first_sample + pos, size)
+            except Exception as error:
+                if not is_oom(error):
+                    raise
+                failure = summarize(error)
+            self.output = None
+            peak = self.device.max_memory_allocated()
+            if failure is None:
+                del part
+                self.accept(loss, weight, metrics, size, index, first_sample + pos, peak)
+                pos += size
+                continue
+            # Out of the except block: the attempt's frames are gone; free what they held.
+            del part
+            release(self.device)
+            self.check_baseline(baseline)
+            self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first_sample + pos, peak,
+                                             failure))
+            new = self.sizer.oom(size)
+            if new is None:
+                raise DoesNotFit(
+                    f"evaluation ran out of memory with a batch of 1 row (batch {index}, sample "
+                    f"{first_sample + pos}) on {self.device.describe()}; the training plan is "
+                    f"untouched. Free memory held outside the model (an old optimizer, outputs kept "
+                    f"in a list) or evaluate with a larger budget.", attempts=self.attempts,
+                    budget=self.device.budget)
+            self.reason = f"halved after {size} rows ran out of memory"
+            self.final_rows = 0
+            log.warning("evaluation ran out of memory with %d rows (%s); halving to %d", size, failure, new)
+
+    def forward(self, part, index: int, first: int, size: int):
+        """One evaluation batch: (loss as a float, its weight, metrics). Allocates on the device."""
+        weight = self.count_tokens(part) if self.count_tokens is not None else None
+        if weight is None:
+            weight = size
+        with torch.inference_mode():
+            part = self.device.to_device(part)
+            try:
+                loss = compute_loss(self.model, part, self.loss_fn)
+            except NoLossError as error:
+                raise NoLossError(f"cannot evaluate {type(self.model).__name__}: {error}") from None
+            value = loss.float().item() if weight else 0.0  # a batch with no label token has no loss
+            del loss
+            metrics = self.metrics(part, index, first, size) if self.metric_fn is not None else None
+        return value, weight, metrics
+
+    def metrics(self, part, index: int, first: int, size: int) -> dict:
+        name = _metric_name(self.metric_fn)
+        where = f"evaluation batch {index} (samples {first}-{first + size - 1})"
+        try:
+            values = self.metric_fn(self.output, part)
+            if not isinstance(values, Mapping):
+                raise TypeError(f"it returned {type(values).__name__}; return a dict of name -> float")
+            out = {}
+            for key, v in values.items():
+                if not isinstance(key, str) or key in RESERVED_KEYS:
+                    raise ValueError(f"metric name {key!r} is not allowed; use a str other than "
+                                     f"{', '.join(RESERVED_KEYS)}")
+                out[key] = float(v.item() if isinstance(v, torch.Tensor) else v)
+            return out
+        except Exception as error:
+            if is_oom(error):
+                raise
+            raise MetricError(f"metric_fn {name} failed on {where}: {type(error).__name__}: {error}. "
+                              f"The model is back in its previous mode; fix the metric function or "
+                              f"pass metric_fn=None.") from error
+
+    def accept(self, loss, weight, metrics, size, index, first, peak) -> None:
+        self.sizer.ok(size)
+        last = self.attempts[-1] if self.attempts else None
+        if last is None or last.outcome == "oom":
+            self.attempts.append(EvalAttempt(size, "ok", self.reason, index, first, peak))
+            self.reason = "kept: fitted the previous evaluation batch"
+        self.final_rows = max(self.final_rows, size)
+        if weight:
+            self.loss_sum += loss * weight
+            self.weight_sum += weight
+        if metrics is not None:
+            if self.samples and set(metrics) != set(self.metric_sums):
+                raise MetricError(f"metric_fn {_metric_name(self.metric_fn)} returned the keys "
+                                  f"{sorted(metrics)} on evaluation batch {index} but "
+                                  f"{sorted(self.metric_sums)} before; return the same keys every time.")
+            for key, v in metrics.items():
+                self.metric_sums[key] = self.metric_sums.get(key, 0.0) + v * size
+        self.samples += size
+
+    def check_baseline(self, baseline: int) -> None:
+        slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
+        extra = self.device.memory_allocated() - baseline
+        if extra <= slack:
+            return
+        # Whatever evaluation made is an inference tensor; training state (params, grads, optimizer) is not.
+        holders = [t for t in self.device.live_tensors() if t.is_inference()]
+        raise MemoryNotReleased(extra, describe_tensors(holders) if holders else "no tensor Python can see")
+
+
+def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_fn=None, device=None,
+             start_batch_size=None, sizer=None, expect_like=None, progress=False) -> EvalResult:
+    """Evaluate `model` on `data` without training it; returns an EvalResult.
+
+    - `batch_size`: the most rows one forward pass may take (and, without `start_batch_size`, the
+      first size tried). Default: a map-style Dataset starts at DEFAULT_DATASET_BATCH rows; an
+      iterable's batches are evaluated whole. Either way an OOM halves the evaluation batch.
+    - `start_batch_size`: the first size tried when `sizer` knows none yet (autofit.run passes
+      EVAL_START_FACTOR times the training micro-batch).
+    - `sizer`: an EvalSizer kept between calls: the size that worked is reused, a size that failed is
+      never tried again.
+    - `device`: an open autofit Device (autofit.run passes its own); else one is opened for `budget`
+      (as in autofit.run) and the model is placed on it.
+    - `expect_like`: a training batch; each evaluation batch must have the same keys/arity.
+    - `metric_fn(output, batch) -> dict[str, float]`: see the module docstring.
+    The model's train/eval mode (each submodule's) is restored afterwards, also on error; parameters,
+    gradients and the optimizer are never touched.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    if metric_fn is not None and not callable(metric_fn):
+        raise TypeError(f"metric_fn must be a callable (output, batch) -> dict[str, float] but got "
+                        f"{metric_fn!r}.")
+    for name, value in (("batch_size", batch_size), ("start_batch_size", start_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None but got {value!r}.")
+    if device is not None and budget is not None:
+        raise ValueError("pass device= (an open autofit device) or budget=, not both; the device "
+                         "already has its budget.")
+    check_data(data)
+    sizer = sizer if sizer is not None else EvalSizer()
+    if sizer.size is not None:
+        reason = f"kept: {sizer.size} rows, the evaluation batch of an earlier evaluation"
+    elif start_batch_size is not None:
+        sizer.size, reason = start_batch_size, f"start: start_batch_size={start_batch_size}"
+    elif batch_size is not None:
+        sizer.size, reason = batch_size, f"start: batch_size={batch_size}"
+    elif is_map_dataset(data):
+        sizer.size, reason = DEFAULT_DATASET_BATCH, f"start: the default of {DEFAULT_DATASET_BATCH} rows"
+    else:
+        reason = "start: each batch as the data yields it"
+    if sizer.fails is not None:
+        reason += f" (below {sizer.fails} rows, known to fail)"
+
+    opened = contextlib.nullcontext(device) if device is not None else open_device(budget)
+    modes = _modes(model)
+    buffers = _buffers(model)
+    with opened as dev:
+        if device is None:
+            dev.place_model(model)
+        evaluator = _Evaluator(model, dev, loss_fn, metric_fn, sizer, batch_size, expect_like, reason)
+        hook = model.register_forward_hook(evaluator.capture) if metric_fn is not None else None
+        model.eval()
+        try:
+            return evaluator.run(units(data, sizer, batch_size, dev.host), progress)
+        finally:
+            if hook is not None:
+                hook.remove()
+            evaluator.output = None
+            for module, training in modes:
+                module.training = training
+            _normal_buffers(model, buffers)
+            dev.empty_cache()

@@ -1,0 +1,133 @@
+"""autofit.run: train a model for some epochs, fitting every global batch to the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.controller import Attempt
+from autofit.recipes.eval_data import check_eval_data
+from autofit.engine.inputs import PRECISION_POLICIES, build_optimizer, global_batches  # noqa: F401 (their old home)
+from autofit.engine.inputs import check_optimizer, check_training_options
+from autofit.engine.inputs import check_positive_int as _check_positive_int
+from autofit.plans.plan import Plan
+from autofit.recipes.training import Training
+from autofit.tuning.tune import run_options, tune_for_run
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    attempts: list[Attempt] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+    eval_history: list[dict] = field(default_factory=list)
+    device: str = ""
+    budget: int | None = None                                 # bytes, when one was enforced
+    eval_attempts: list = field(default_factory=list)         # list[autofit.recipes.evaluate.EvalAttempt]
+    leaks: list = field(default_factory=list)  # autofit.diagnosis.leaks findings: {"kind", "culprit", "bytes", "fix"}
+    tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
+    batch_coupled: list = field(default_factory=list)  # names of modules a split changes (BatchNorm)
+
+    @property
+    def oom_attempts(self) -> int:
+        return sum(a.outcome == "oom" for a in self.attempts)
+
+
+def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
+        eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
+        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True):
+    """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
+    memory and replaying it, so the result is the same mathematics as a plain loop.
+
+    With a budget (or on CUDA) and the default ladder, `capacity_check` estimates plans on fake
+    tensors first and starts from the fastest one predicted to fit; `capacity_check=False` starts
+    from the whole global batch and lets the ladder find the plan.
+
+    `max_grad_norm` clips the gradient accumulated over the whole global batch (after unscaling
+    under fp16, after the all-reduce under DDP) before each optimizer step; each history entry's
+    "grad_norm" is its norm before clipping (None without clipping).
+
+    Under torch.distributed (e.g. torchrun) every rank calls `run`, each with its own share of the
+    data (a DataLoader with a DistributedSampler; autofit calls its set_epoch each epoch) or all
+    with the same global batches; each rank trains its share of every global batch, and all ranks
+    keep the same plan (see autofit.distributed.lockstep).
+
+    `allow_split=False` never splits a global batch into micro-batches (what a model with
+    BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
+    fits, DoesNotFit says so. A model with batch-coupled layers (autofit.plans.coupling) walks a ladder
+    that keeps the batch whole first either way.
+    """
+    _check_positive_int("epochs", epochs)
+    tune_options = None
+    if tune is not False:  # True or a dict of autofit.tune options; checked before any work
+        tune_options = run_options(tune)
+    check_training_options(model=model, precision=precision, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
+    check_optimizer(optimizer)
+    # The lockstep opens here, before the data is read: every failure after this is announced.
+    training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
+                        precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
+                        progress=progress, capacity_check=capacity_check, allow_split=allow_split)
+    with training.lockstep.scope():
+        return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
+                    eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
+                    tune_options=tune_options)
+
+
+def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,
+         tune_options):
+    first, epoch_batches = global_batches(data, batch_size, epochs)
+    rows_of(first)  # raises on a batch that cannot be split
+    progress = training.progress
+    if tune_options is not None and training.distributed:
+        raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
+                         "starts, and every rank of autofit.run starts from the cached plan.")
+    if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
+        eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
+
+    with training:
+        tuned = None
+        if tune_options is not None:
+            tuned = tune_for_run(tune_options, device=training.device, model=training.model,
+                                 optimizer=training.optimizer, data=data, first=first,
+                                 epoch_batches=epoch_batches, precision=precision, loss_fn=loss_fn,
+                                 cache=cache)
+        training.start(first, data=data, tuned=tuned, batch_size=batch_size)
+        epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
+        result = RunResult(plan=training.plan, device=training.device.describe(),
+                           budget=training.device.budget, tune=tuned,
+                           batch_coupled=list(training.coupling.names))
+
+        def evaluation(epoch):
+            done = training.evaluate(eval_data, metric_fn=metric_fn, expect_like=first, progress=progress)
+            result.eval_attempts.extend(done.attempts)
+            result.eval_history.append(done.record(epoch))
+        try:
+            _train(training, epoch_batches, epochs, result, progress,
+                   evaluation if eval_data is not None else None)
+        finally:
+            result.attempts = training.attempts
+            result.plan = training.plan
+    result.leaks = training.findings
+    return result
+
+
+def _train(training, epoch_batches, epochs, result, progress, evaluation=None) -> None:
+    for epoch in range(epochs):
+        batches = epoch_batches()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False)
+            batches = bar
+        for batch in batches:
+            step = training.step
+            loss = training.train(batch)
+            plan = training.plan
+            result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": rows_of(batch),
+                                   "plan": plan, "grad_norm": training.runner.grad_norm})
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}")
+        if bar is not None:
+            bar.close()
+        if evaluation is not None:
+            evaluation(epoch)

@@ -1,0 +1,131 @@
+"""autofit.stepper: one OOM-proof global step inside the user's own training loop.
+
+    with autofit.stepper(model, optimizer, scheduler=scheduler, budget="2GiB") as step:
+        for batch in loader:          # the user's loop: logging, checkpoints, validation stay theirs
+            out = step(batch)         # one global batch: split, replayed on OOM, one optimizer step
+
+The setup is `autofit.run`'s (autofit.recipes.training): the first batch decides the start plan (the cache,
+else the capacity check), every batch runs under the retry controller, and leaving the block hands
+the model, optimizer and device back as a plain loop would leave them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from autofit.engine.controller import Attempt
+from autofit.plans.ladder import SizeLog
+from autofit.plans.plan import Plan
+from autofit.recipes.training import Training
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one global batch did."""
+
+    loss: float                     # the batch's loss (the weighted mean over its micro-batches)
+    plan: Plan                      # the plan it succeeded under
+    attempts: list[Attempt] = field(default_factory=list)  # this batch's attempts, in order
+    grad_norm: float | None = None  # the gradient's norm before clipping (None without max_grad_norm)
+
+
+class Step:
+    """The callable `with autofit.stepper(...) as step` yields."""
+
+    def __init__(self, training: Training):
+        self._training = training
+        self._resume = None
+
+    def __call__(self, batch) -> StepOutput:
+        training = self._training
+        if training.closed:
+            raise RuntimeError("this stepper's block has ended; open a new `with autofit.stepper(...)` "
+                               "to train more.")
+        if training.controller is None:  # the first batch: the cache and the capacity check use it
+            training.start(batch, resume=self._resume)
+        index = len(training.attempts)
+        loss = training.train(batch)
+        return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
+                          grad_norm=training.runner.grad_norm)
+
+    def evaluate(self, data, *, metric_fn=None, progress=False):
+        """Validation inside the block: `autofit.evaluate` with this stepper's loss and device, in
+        inference mode, its batch size starting from the training micro-batch's and kept between
+        calls; it never trains and never changes the training plan."""
+        if self._training.closed:
+            raise RuntimeError("this stepper's block has ended; call autofit.evaluate(model, data, ...) "
+                               "instead.")
+        return self._training.evaluate(data, metric_fn=metric_fn, progress=progress)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the next batch starts from (None before the first batch, unless resumed)."""
+        if self._training.controller is None and self._resume is not None:
+            return self._resume[0]
+        return self._training.plan
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        """Every attempt of every batch so far."""
+        return self._training.attempts
+
+    @property
+    def optimizer(self):
+        """The optimizer stepped (the one a factory built)."""
+        return self._training.optimizer
+
+    @property
+    def scheduler(self):
+        return self._training.scheduler
+
+    def state_dict(self) -> dict:
+        """The plan and the micro-batch sizes proven (plain JSON types), for a checkpoint: a job
+        resumed with `load_state_dict` starts from them without an OOM attempt."""
+        plan = self.plan
+        sizes = self._resume[1] if self._training.controller is None and self._resume else self._training.sizes
+        return {"version": STATE_VERSION, "plan": None if plan is None else plan.to_dict(),
+                "sizes": sizes.to_json()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "sizes" not in state:
+            raise ValueError(f"not a stepper state_dict (version {STATE_VERSION}): {state!r:.200}; pass "
+                             f"what step.state_dict() returned.")
+        try:
+            sizes = SizeLog.from_json(state["sizes"])
+            plan = None if state.get("plan") is None else Plan.from_dict(state["plan"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"the stepper state_dict is unreadable ({error}); pass what "
+                             f"step.state_dict() returned.") from error
+        if plan is None:
+            return  # saved before any batch: nothing was proven
+        sizes.settle_proven(plan)
+        training = self._training
+        if training.controller is None:
+            self._resume = (plan, sizes)
+            return
+        training.sizes.fits, training.sizes.fails = sizes.fits, sizes.fails
+        training.controller.plan, training.controller.reason = plan, "resumed: the plan and sizes of a state_dict"
+
+
+@contextlib.contextmanager
+def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
+            max_grad_norm=None, ladder=None, cache=True, capacity_check=True):
+    """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
+    `StepOutput` (.loss, .plan, .attempts, .grad_norm).
+
+    `optimizer`: an instance or a factory params -> Optimizer (None: AdamW). `scheduler`: an
+    instance built on that optimizer, or a factory optimizer -> scheduler; stepped once per global
+    batch, never for a failed attempt. `loss_fn`, `budget`, `precision`, `ladder`, `cache` mean what
+    they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
+    Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
+    `step` with its own share of each global batch (as a DistributedSampler gives it; call its
+    set_epoch yourself) or with the same global batches, as with `autofit.run`.
+    """
+    training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
+                        precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
+                        progress=True, capacity_check=capacity_check)
+    with training:
+        yield Step(training)

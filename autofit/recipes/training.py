@@ -1,0 +1,270 @@
+"""The setup one training job needs, shared by `autofit.run` and `autofit.stepper`.
+
+setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
+model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
+first global batch): the plan cache, the start plan (tuned, cached, estimated, or the whole batch),
+the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
+last agreement and the cache written after a clean end, then the model, optimizer and device handed
+back as a plain loop would leave them (checkpointing switches off, offloaded state home, the budget
+restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
+and agrees with itself, so the recipe reads the same with one rank or many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+
+from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.controller import Controller
+from autofit.plans.coupling import Coupling
+from autofit.gpu.device import open_device
+from autofit.distributed.lockstep import DistributedStepRunner, open_lockstep
+from autofit.errors import DoesNotFit
+from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
+from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
+from autofit.plans.ladder import SizeLog, as_move
+from autofit.diagnosis.leaks import LeakWatch
+from autofit.plans.applies import not_applicable
+from autofit.cache.memo import Memo
+from autofit.plans.plan import Plan
+from autofit.estimator.start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
+from autofit.engine.step import StepRunner
+from autofit.engine.token_loss import loss_weighting
+
+log = logging.getLogger("autofit")
+
+
+class Training:
+    """One training job: see the module's docstring. `progress` also decides step-down logging."""
+
+    def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
+                 precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
+                 capacity_check=True, allow_split=True):
+        check_training_options(model=model, precision=precision, loss_fn=loss_fn,
+                               max_grad_norm=max_grad_norm)
+        lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+        self.distributed = lockstep is not None
+        self.lockstep = lockstep = lockstep or Local(model)
+        model = lockstep.module  # under DDP the module it runs (the user's DDP's), no wrapper
+        progress = progress and lockstep.rank == 0
+        self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
+        self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
+        self.max_grad_norm, self.cache, self.progress = max_grad_norm, cache, progress
+        self.capacity_check = capacity_check
+        if not isinstance(allow_split, bool):
+            raise TypeError(f"allow_split must be True or False but got {allow_split!r}.")
+        self.allow_split, self.coupling = allow_split, None
+        self.user_ladder = None if ladder is None else as_move(ladder)
+        self.sizes = SizeLog()
+        self.controller = self.runner = self.watch = self.memo = None
+        self.closed = False
+        self.findings: list[dict] = []  # autofit.diagnosis.leaks findings, kept after the watch is gone
+        self.step = 0             # global batches trained
+        self.sizer = EvalSizer()  # the evaluation batch that worked, kept from one evaluation to the next
+        self.samples = 0
+
+    # -- setup and cleanup ---------------------------------------------------------------------
+    def __enter__(self) -> "Training":
+        lockstep = self.lockstep
+        self._stack = contextlib.ExitStack()
+        self.device = device = self._stack.enter_context(open_device(self.budget))
+        self._stack.enter_context(lockstep.scope())
+        try:
+            model = self.model
+            device.place_model(model)
+            self.was_training = model.training
+            model.train()
+            self.coupling = Coupling(model, self.allow_split)  # says so once when a split would matter
+            self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
+            device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
+            self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
+            if self.precision == "fp16" and device.type == "cpu":
+                log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
+        except BaseException:
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+        return self
+
+    def rows(self, batch) -> int:
+        """Rows of `batch` one plan covers: this rank's share under torch.distributed."""
+        return rows_of(self.lockstep.local(batch))
+
+    def start(self, first, *, data=None, tuned=None, resume=None, batch_size=None) -> None:
+        """Choose the start plan from the first global batch and build the controller.
+        `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
+        `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
+        `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
+        lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
+        sizes, precision = self.sizes, self.precision
+        # The first agreement: how the data is given, rank 0's weights on every rank.
+        lockstep.hello(first, data, device, dataset=batch_size is not None)
+        if batch_size is not None:
+            lockstep.check_dataset(len(data), batch_size)
+        lockstep.agree_budgets(device, tensor_budget)
+        first_rows = self.rows(first)  # a plan is per rank: its rows of a global batch
+        self.memo = memo = Memo(
+            model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
+            device=lockstep.cache_view(device),
+            enabled=self.cache and lockstep.rank == 0)  # rank 0 owns the cache
+
+        def choose():
+            """(start plan, reason, settle_within); fills `sizes` with what is already known."""
+            if resume is not None:
+                plan, known = resume
+                known.settle_proven(plan)  # a resumed job starts settled: no upward probe
+                sizes.fits, sizes.fails = known.fits, known.fails
+                return (plan.with_micro_batch(plan.micro_batch_size, first_rows),
+                        "resumed: the plan and sizes of a state_dict", 0.0)
+            if tuned is not None:
+                sizes.settle(tuned.plan)  # for every length
+                return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
+                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
+                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
+            recalled = memo.recall(sizes, applies=lambda plan: not_applicable(plan, model, opt, device))
+            if recalled is not None:
+                return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
+            if self.capacity_check and self.user_ladder is None:
+                batch = longest_batch(data, first) if data is not None else first
+                estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
+                                            lockstep.estimate_view(device), precision, sizes)
+                if estimated is not None:
+                    start, reason = estimated
+                    return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
+            return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
+                    "start: the whole global batch at once", 0.0)
+        # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
+        start, reason, settle_within = lockstep.agree_start(choose, sizes)
+        start, reason = self.coupling.start(start, reason, first_rows)
+        moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
+        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device)
+        count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
+        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
+                       max_grad_norm=self.max_grad_norm)
+        if not self.distributed:
+            self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
+        else:
+            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, **options)
+        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
+                                     quiet=not self.progress, settle_within=settle_within)
+        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
+        self.watch.check_batch(first, data)
+        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.controller is None else self.controller.plan
+
+    @property
+    def attempts(self) -> list:
+        return [] if self.controller is None else self.controller.attempts
+
+    def train(self, batch) -> float:
+        """Train one global batch (replayed on OOM); returns its loss."""
+        loss = self.controller.train(self.lockstep.next_batch(batch), self.step)
+        self.watch.after_step(self.step, self.controller.plan, batch)
+        self.step += 1
+        self.samples += rows_of(batch)
+        return loss
+
+    def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
+        """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
+        (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
+        start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
+        done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn,
+                        metric_fn=metric_fn, device=self.device, sizer=self.sizer,
+                        expect_like=expect_like, progress=progress, start_batch_size=start)
+        return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        try:
+            if error is None:
+                self.lockstep.finish()  # every rank got to the end, at the same step
+                if self.controller is not None:
+                    self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
+                                       self.samples)
+            elif isinstance(error, DoesNotFit) and self.watch is not None:
+                if self.coupling.refusal():
+                    error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
+                error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+        except BaseException:
+            self._close()
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+            return False
+        self._close()
+        return self._stack.__exit__(kind, error, traceback)
+
+    def _close(self) -> None:
+        """Hand the model and optimizer back as a plain loop would leave them."""
+        self.closed = True
+        if self.runner is not None:
+            self.runner.close()
+        if self.coupling is not None:
+            self.coupling.close()
+        self.lockstep.close()
+        if not self.was_training:
+            self.model.eval()
+        if self.own_optimizer:
+            self.optimizer.state.clear()
+        if self.watch is not None:
+            self.findings = self.watch.findings
+        # Drop the references to the step's objects so gc can free them now.
+        self.runner = self.scheduler = self.watch = None
+        if self.controller is not None:
+            self.controller.runner = None
+        gc.collect()
+        self.device.empty_cache()
+
+
+class Local:
+    """The lockstep of a single process: `distributed.Lockstep`'s interface, nothing to agree on."""
+
+    rank, world = 0, 1
+
+    def __init__(self, model):
+        self.module = model
+
+    def scope(self):
+        return contextlib.nullcontext(self)
+
+    def hello(self, first, data, device, *, dataset: bool) -> None:
+        pass
+
+    def epochs(self, epoch_batches):
+        return epoch_batches
+
+    def eval_share(self, data):
+        return data
+
+    def combine_eval(self, result):
+        return result
+
+    def agree_budgets(self, device, tensor_budget) -> None:
+        pass
+
+    def estimate_view(self, device):
+        return device
+
+    def cache_view(self, device):
+        return device
+
+    def agree_start(self, choose, sizes):
+        return choose()
+
+    def local(self, batch):
+        return batch
+
+    def next_batch(self, batch):
+        return batch
+
+    def check_dataset(self, length: int, batch_size: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Autofit.tune: measured trials and the verdict."""

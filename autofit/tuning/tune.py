@@ -1,0 +1,346 @@
+"""autofit.tune (this module: autofit.tuning.tune): measure the plans the estimator says fit, and cache the fastest for autofit.run.
+(Over 300 lines: its docstring is the reference of what tune measures and how it chooses.)
+
+The search space
+----------------
+`autofit.run` starts from the plan the capacity check predicts to be fastest (`start.estimated_start`:
+`capacity.rank` with the runner's MARGIN, then `capacity.choose`): the *default plan*. The cost model
+behind that choice is a model, and `rank` stops estimating as soon as no other plan could beat its
+best one by that model, so `rank` alone returns a single fitting plan in most jobs. tune measures:
+
+- the default plan, first (the baseline of the result);
+- with precision="auto", the fitting plans `rank` finds with the other precision fixed (bf16, or
+  fp16 where bf16 is unsupported; fp32 when the default is already mixed);
+- for each configuration (precision, checkpointing, offload) found above, its largest fitting
+  micro-batch and about a half and a quarter of it (sizes from `capacity.micro_batch_sizes`):
+  memory grows with the micro-batch, so these fit too, and they test the cost model's claim that
+  fewer, larger micro-batches are faster.
+
+Plans are tried in that order: the default, then the others by the cost model's prediction, fastest
+first, so a small `n_trials` measures the likeliest winners. With precision="auto", tune may pick
+bf16 (fp16) where it measures faster, as the ladder may; pass precision="fp32" to keep exact math.
+
+Rounds, the statistic and the winner
+------------------------------------
+A trial trains `warmup + steps` real global batches under one plan with the runner's own machinery
+(`throughput.measure`) and times the last `steps`; the model and optimizer are restored from host
+copies after each trial. A machine shared with other work is noisy: on 2 busy cores one trial's
+samples/s varied by 5-20% between repeats, and a stall during one trial made a plan look 30x slower.
+So tune measures in `rounds` interleaved rounds (`study.round_order`): each round measures every
+plan once, the order rotated by one plan per round, so a slow spell hits different plans in
+different rounds. A plan's figure is the *median* of its rounds (one stalled round cannot move it)
+and its *spread* the median absolute deviation of its rounds from that median (a stalled round
+does not widen it either). A lead counts only when it is larger than the spread of both plans and
+than MIN_GAIN (a lead the machine's own noise could make is no lead): the winner is the first plan
+of the space (the default, then the cost model's order) that the highest median does not clearly
+beat (`verdict.verdict`), so the default stays unless another plan clearly beats it, and between
+plans the noise cannot tell apart the same one wins every time. A trial that runs out of memory
+is pruned after the controller freed what it held; such a plan is not measured in later rounds and
+is never the winner. `describe()` shows each plan's median, spread and range, and the reason of the
+choice.
+
+The study
+---------
+One optuna trial is one plan in one round. `n_trials` bounds the trials of one call (a call with a
+small `n_trials` leaves the rest of the rounds queued for the next call); when every round is done,
+tune measures nothing more and reads the result from the study, unless `retune=True`, which starts a
+new measurement of `rounds` rounds (the stored result may come from a machine that was busier or
+quieter than now); the result is read from the newest measurement only.
+
+The study is named after the job key `autofit.run` caches plans under ("autofit-<key>"), so every
+process tuning the same job (same model, batch layout, optimizer, precision, device, budget,
+versions) shares it when they share a storage (`storage="postgresql://..."`). By default it lives in
+the plan cache's SQLite file (`sqlite:///<PlanCache().path>`; with cache=False, in memory). The
+winner is written to the plan cache as a settled plan: the next `autofit.run` of the job starts from
+it with no OOM attempt and no probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.controller import Attempt
+from autofit.gpu.device import open_device
+from autofit.engine.inputs import build_optimizer, global_batches
+from autofit.plans.ladder import SizeLog, config_of
+from autofit.cache.memo import Memo
+from autofit.plans.plan import PRECISIONS
+from autofit.estimator.start import longest_batch, tensor_budget
+from autofit.tuning.study import (
+    TuneTrial,
+    close_storage,
+    finished,
+    import_optuna,
+    open_storage,
+    run_queue,
+    stored_space,
+)
+from autofit.tuning.throughput import Pristine, measure, search_space
+from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict  # noqa: F401  (names of autofit.tune)
+
+log = logging.getLogger("autofit")
+
+STUDY_PREFIX = "autofit-"
+PRECISION_POLICIES = ("auto",) + PRECISIONS
+RUN_OPTIONS = ("n_trials", "steps", "warmup", "rounds", "retune", "storage", "study_name", "clock")
+
+
+def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False,
+         batch_size=None, loss_fn=None, optimizer=None, precision="auto", storage=None, study_name=None,
+         cache=True, clock=time.perf_counter) -> TuneResult:
+    """Measure the plans predicted to fit `budget` in `rounds` interleaved rounds, `warmup + steps`
+    real global batches per plan and round (the first `warmup` untimed), and cache the plan with
+    the highest median when its lead is larger than the spread (else the default plan), so the
+    next `autofit.run(model, data, budget=budget, ...)` of this job starts from it. Give `budget`, `batch_size`, `optimizer` and
+    `precision` as to `autofit.run`: they are part of the cache key. The model (parameters, buffers,
+    gradients, train/eval flag), the optimizer's state and torch's RNG are left as they were.
+
+    `n_trials`: at most this many trials (one plan in one round each) in this call (None: every
+    trial of the measurement not run yet).
+    `rounds`: rounds of the measurement (every plan once per round, the order rotated).
+    `retune`: measure again (a new measurement of `rounds` rounds) even when the study holds one.
+    `storage`: an optuna storage or database URL (default: the plan cache's SQLite file).
+    `clock`: the timer of the measured steps, in seconds (default `time.perf_counter`).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    check_options(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
+                  storage=storage, study_name=study_name, clock=clock)
+    if precision not in PRECISION_POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    if isinstance(data, Iterator):
+        raise ValueError(f"data is a one-shot iterator ({type(data).__name__}): tune reads its first "
+                         f"batches and a run after it would miss them; pass a list of batches, a "
+                         f"DataLoader or a Dataset.")
+    _refuse_distributed()
+    import_optuna()  # before any work
+
+    with kept_rng():
+        first, epoch_batches = global_batches(data, batch_size, 1)
+        rows_of(first)  # raises on a batch that cannot be split
+        batches = take_batches(epoch_batches(), warmup + steps)
+        with open_device(budget) as device:
+            placed = _Placement(model, device)
+            opt, _ = build_optimizer(optimizer, model)
+            try:
+                return tune_on(device, model, opt, first=first, batches=batches,
+                               longest=longest_batch(data, first), precision=precision, loss_fn=loss_fn,
+                               n_trials=n_trials, warmup=warmup, rounds=rounds, retune=retune,
+                               storage=storage, study_name=study_name, cache=cache, clock=clock)
+            finally:
+                placed.undo(opt)
+
+
+def tune_on(device, model, optimizer, *, first, batches, longest=None, precision="auto", loss_fn=None,
+            n_trials=None, warmup=1, rounds=ROUNDS, retune=False, storage=None, study_name=None,
+            cache=True, clock=time.perf_counter) -> TuneResult:
+    """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`):
+    every trial trains `batches` (host global batches), the first `warmup` of them untimed."""
+    optuna = import_optuna()
+    if tensor_budget(device) is None:
+        raise ValueError(no_budget_message(device.budget, device))
+    if not 0 <= warmup < len(batches):
+        raise ValueError(f"warmup={warmup!r} leaves none of the {len(batches)} batch(es) to time.")
+    global_batch = rows_of(first)
+    memo = Memo(model=model, batch=first, optimizer=optimizer, global_batch=global_batch,
+                precision=precision, device=device, enabled=True)  # its key names the study
+
+    def plan_cache_url():
+        if not cache:
+            return None
+        memo.cache.ensure()  # our table and marks first; optuna adds its tables beside them
+        return f"sqlite:///{memo.cache.path.absolute()}"
+
+    store, where = open_storage(optuna, storage, plan_cache_url)
+    try:
+        pristine = Pristine(model, optimizer, device)
+        try:
+            study = optuna.create_study(study_name=study_name or STUDY_PREFIX + memo.key, storage=store,
+                                        direction="maximize", load_if_exists=True,
+                                        sampler=optuna.samplers.RandomSampler(seed=0))
+            default, space = stored_space(study, global_batch, lambda: search_space(
+                model, first if longest is None else longest, optimizer, loss_fn, device, precision,
+                global_batch))
+            plans = {p.describe(): p for p in space}
+            objective = _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock,
+                                   pristine)
+            measured, measurement = run_queue(optuna, study, plans, n_trials, objective, rounds=rounds,
+                                              retune=retune)
+        finally:
+            pristine.finish()
+        trials = finished(optuna, study, plans, measurement)
+        result = verdict(trials, default, space, measured, study.study_name, where, memo.key)
+        result.measurement = measurement
+        if cache:
+            _remember(memo, result, trials, global_batch)
+    finally:
+        close_storage(store, storage)
+    log.info("tune: %s", result.describe())
+    return result
+
+
+def check_options(*, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False, storage=None,
+                  study_name=None, clock=time.perf_counter) -> None:
+    """Raise on bad tune options, before any work."""
+    if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
+        raise ValueError(f"n_trials must be a positive int, or None to run every trial of the "
+                         f"measurement, but got {n_trials!r}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (global batches timed per trial) but got {steps!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0 (untimed global batches per trial) but got {warmup!r}.")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int (every plan measured once per round; "
+                         f"{ROUNDS} by default) but got {rounds!r}.")
+    if not isinstance(retune, bool):
+        raise TypeError(f"retune must be True (measure again) or False but got {retune!r}.")
+    if storage is not None and not isinstance(storage, str) and not hasattr(storage, "create_new_study"):
+        raise TypeError(f"storage must be None (the plan cache file), a database URL such as "
+                        f"'postgresql://...' or an optuna storage, but got {type(storage).__name__}.")
+    if study_name is not None and (not isinstance(study_name, str) or not study_name):
+        raise ValueError(f"study_name must be a non-empty string, or None to name the study after the "
+                         f"job, but got {study_name!r}.")
+    if not callable(clock):
+        raise TypeError(f"clock must be a callable returning seconds, e.g. time.perf_counter, but got "
+                        f"{clock!r}.")
+
+
+def no_budget_message(budget, device) -> str:
+    return (f"budget={budget!r} on {device.describe()}: nothing limits memory here, so there is "
+            f"nothing to tune against; pass budget='8GiB' (the memory of the card you will train on; "
+            f"without CUDA, a simulated GPU of that size) or run on a GPU.")
+
+
+# -- for autofit.run(..., tune=...) -----------------------------------------------------------------
+
+def run_options(tune) -> dict:
+    """The options of `run(..., tune=...)`: True (defaults) or a dict of some of RUN_OPTIONS.
+    Raises on bad ones, and when optuna is missing, before any work."""
+    if tune is True:
+        options = {}
+    elif isinstance(tune, dict):
+        unknown = sorted(set(tune) - set(RUN_OPTIONS))
+        if unknown:
+            raise ValueError(f"tune={tune!r} has unknown option(s) {unknown}; the options are "
+                             f"{', '.join(RUN_OPTIONS)}.")
+        options = dict(tune)
+    else:
+        raise TypeError(f"tune must be False, True or a dict of options ({', '.join(RUN_OPTIONS)}) "
+                        f"but got {tune!r}.")
+    check_options(**options)
+    import_optuna()
+    return options
+
+
+def tune_for_run(options: dict, *, device, model, optimizer, data, first, epoch_batches, precision,
+                 loss_fn, cache) -> TuneResult:
+    """What `autofit.run` calls inside its device block, before it chooses the start plan. A
+    one-shot iterator is not read further: its first batch is timed again and again."""
+    options = dict(options)
+    steps, warmup = options.pop("steps", 3), options.pop("warmup", 1)  # the rest go to tune_on
+    with kept_rng():
+        if isinstance(data, Iterator):
+            batches = [first] * (warmup + steps)
+        else:
+            batches = take_batches(epoch_batches(), warmup + steps)
+        return tune_on(device, model, optimizer, first=first, batches=batches,
+                       longest=longest_batch(data, first), precision=precision, loss_fn=loss_fn,
+                       warmup=warmup, cache=cache, **options)
+
+
+# -- the pieces -------------------------------------------------------------------------------------
+
+def take_batches(batches, count: int) -> list:
+    """The first `count` global batches, starting over when there are fewer."""
+    taken = []
+    for batch in batches:
+        taken.append(batch)
+        if len(taken) == count:
+            break
+    return [taken[i % len(taken)] for i in range(count)]
+
+
+@contextlib.contextmanager
+def kept_rng():
+    """Tuning draws from no random stream the user sees: torch's generators are put back after."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _refuse_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError("autofit.tune runs in one process; call it before "
+                           "torch.distributed.init_process_group (or in a single-GPU job) and let "
+                           "autofit.run start every rank from the cached plan.")
+
+
+class _Placement:
+    """The model on the device for tuning, and back where it was afterwards (CUDA: moved there)."""
+
+    def __init__(self, model, device):
+        self.model = model
+        self.before = {t.device for t in list(model.parameters()) + list(model.buffers())}
+        device.place_model(model)
+
+    def undo(self, optimizer) -> None:
+        if len(self.before) != 1:
+            return
+        home = next(iter(self.before))
+        if any(t.device != home for t in self.model.parameters()):
+            self.model.to(home)
+            if optimizer.state:  # load_state_dict puts the state on its parameters' device
+                optimizer.load_state_dict(optimizer.state_dict())
+
+
+def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock, pristine):
+    """objective(plan, trial) -> samples per second; raises optuna.TrialPruned when the plan ran out
+    of memory. The model and optimizer are restored after every trial, whatever happened."""
+    def objective(plan, trial):
+        try:
+            m = measure(model, optimizer, device, plan, batches, warmup=warmup, loss_fn=loss_fn,
+                        clock=clock)
+        finally:
+            pristine.restore()
+        # One attribute, one write to the storage.
+        trial.set_user_attr("autofit", {"outcome": m.outcome, "peak_bytes": m.peak_bytes,
+                                        "samples": m.samples, "seconds": m.seconds,
+                                        "device": device.describe(), "error": m.error})
+        if m.outcome == "oom":
+            log.info("tune: %s ran out of memory: %s", plan.describe(), m.error)
+            raise optuna.TrialPruned(f"out of memory under {plan.describe()}: {m.error}")
+        return m.samples_per_second
+    return objective
+
+
+def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None:
+    """The winner into the plan cache (the cache takes it as settled), with the sizes of its
+    configuration that ran out of memory above it. The sizes that fitted are left out on purpose:
+    the cache would start a run from the largest of them, and the winner is the size to start from."""
+    winner = result.plan
+    sizes = SizeLog()
+    for t in trials:
+        if t.outcome == "oom" and config_of(t.plan) == config_of(winner) \
+                and t.plan.micro_batch_size > winner.micro_batch_size:
+            sizes.record(t.plan, False, global_batch)
+    peak = max((t.peak_bytes or 0 for t in trials if t.plan == winner and t.outcome == "ok"), default=0)
+    memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: the plan tune chose", peak)],
+                  global_batch, throughput=result.samples_per_second)
+    result.cached = memo.cache.get(memo.key) is not None
+
+
+__all__ = ["PlanStats", "TuneResult", "TuneTrial", "check_options", "kept_rng", "plan_stats", "run_options",
+           "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]
