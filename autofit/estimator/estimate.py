@@ -70,7 +70,7 @@ from autofit.estimator.fakes import (
 )
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans.plan import Plan
-from autofit.gpu.simulate import SimulatedGPU, _CountingMode, round_bytes
+from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
 from autofit.engine.step import StepRunner
 
 log = logging.getLogger("autofit")
@@ -156,10 +156,17 @@ class _Meter(SimulatedGPU):
         return upper_bound(storage.nbytes())
 
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        tensors = [t for t in inner_tensors(tensors) if isinstance(t, torch.Tensor)]
         super()._account(tensors, check, inputs)
-        for t in tensors:
-            key = id(t.untyped_storage())
+        self._tag([id(t.untyped_storage()) for t in tensors])
+
+    def _resized(self, storage) -> None:
+        super()._resized(storage)
+        self._tag([id(storage)])
+
+    def _tag(self, keys) -> None:
+        """Give new storages the current kind, move resized ones' totals, and keep the peaks."""
+        for key in keys:
             entry = self._live.get(key)
             if entry is None:
                 continue
@@ -189,7 +196,7 @@ class _Meter(SimulatedGPU):
 
     def retag(self, tensors, kind: str) -> None:
         """Count these tensors' storages as `kind` from now on (a gradient made in backward)."""
-        for t in tensors:
+        for t in inner_tensors(tensors):
             if not isinstance(t, torch.Tensor):
                 continue
             key = id(t.untyped_storage())
