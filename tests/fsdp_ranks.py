@@ -51,15 +51,12 @@ def _batch(kind: str, rank: int, rows: int = 8, seq: int = 16):
 
 
 def _shard(model, mesh, raf, param_dtype):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from autofit.estimator.sharded import blocks
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from autofit.distributed.fsdp import shard
     kw = {"mesh": mesh, "reshard_after_forward": raf}
     if param_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    modules = dict(model.named_modules())
-    for name in blocks(model):
-        fully_shard(modules[name], **kw)
-    fully_shard(model, **kw)
+    shard(model, **kw)
 
 
 def _worker(rank, init_file, out_dir, configs):

@@ -9,7 +9,7 @@ import torch
 
 import autofit
 from autofit.estimator import sharded
-from autofit.estimator.sharded import Sharding, blocks, estimate_sharded, sharding_of
+from autofit.estimator.sharded import Sharding, estimate_sharded, sharding_of
 from autofit.plans.plan import Plan
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -55,13 +55,6 @@ def test_a_resize_past_the_budget_is_an_oom():
 
 
 # -- settings -------------------------------------------------------------------------------------
-def test_blocks_are_the_models_own_no_split_modules():
-    from models import tiny_bert, tiny_gpt2
-    assert blocks(tiny_bert()) == ("bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1")
-    assert blocks(tiny_gpt2()) == ("transformer.h.0", "transformer.h.1")
-    assert blocks(torch.nn.Linear(2, 2)) == ()
-
-
 def test_sharding_is_read_from_a_sharded_model_and_the_callers_world_is_untouched():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from models import tiny_bert

@@ -68,7 +68,7 @@ class Sharding:
     world_size: int
     reshard_after_forward: bool = True
     param_dtype: str | None = None
-    units: tuple[str, ...] | None = None  # None: the model's blocks (`blocks`) and the root
+    units: tuple[str, ...] | None = None  # None: what `shard=True` wraps (distributed/fsdp.blocks)
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
@@ -88,18 +88,6 @@ class Sharding:
         if self.param_dtype:
             parts.append(f"params gathered in {self.param_dtype}")
         return ", ".join(parts)
-
-
-def blocks(model: torch.nn.Module) -> tuple[str, ...]:
-    """Names of the model's repeated blocks, one FSDP unit each: the modules whose class a Hugging
-    Face model lists in `_no_split_modules` (outermost only); none for other models."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    names: list[str] = []
-    for name, module in model.named_modules():
-        if name and type(module).__name__ in classes \
-                and not any(name.startswith(n + ".") for n in names):
-            names.append(name)
-    return tuple(names)
 
 
 def sharding_of(model: torch.nn.Module) -> Sharding | None:
@@ -206,8 +194,13 @@ def _bound_to(hook, gone) -> bool:
 
 def _shard(model: torch.nn.Module, sharding: Sharding, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    units = sharding.units if sharding.units is not None else blocks(model)
+    from autofit.distributed.fsdp import blocks  # the units shard=True makes
     modules = dict(model.named_modules())
+    if sharding.units is None:
+        chosen = {id(b) for b in blocks(model)}
+        units = [name for name, m in modules.items() if id(m) in chosen]
+    else:
+        units = sharding.units
     missing = [u for u in units if u not in modules]
     if missing:
         raise ValueError(f"units {missing} are not modules of {type(model).__name__}; give module "
