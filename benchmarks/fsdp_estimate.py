@@ -32,7 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         ranks = run_ranks(out, CONFIGS)
     rows = []
-    for name, kind, raf, param_dtype, fields, shard_first in CONFIGS:
+    for name, kind, raf, param_dtype, fields, shard_first, reduce_each in CONFIGS:
         for r, seen in enumerate(ranks):
             m, p = seen[name]["measured"], seen[name]["predicted"]
             plan = f"micro {fields['micro_batch_size']} x {fields.get('accumulation_steps', 1)}" + \

@@ -4,6 +4,7 @@ benchmarks/fsdp_estimate.py prints. Spawned processes: import-safe, no autofit s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,15 +16,20 @@ import torch
 WORLD = 2
 TIMEOUT = 300  # seconds for the whole spawn: fail rather than hang
 
-# (name, model, reshard_after_forward, param_dtype, plan fields, shard before estimating)
+# (name, model, reshard_after_forward, param_dtype, plan fields, shard before estimating,
+#  a reduce-scatter per micro-batch rather than gradient sync off until the last)
 CONFIGS = [
-    ("bert raf", "bert", True, None, {"micro_batch_size": 8}, False),
-    ("bert no-raf", "bert", False, None, {"micro_batch_size": 8}, True),
-    ("bert bf16-params", "bert", True, "bf16", {"micro_batch_size": 8}, True),
-    ("bert micro 4x2 ckpt", "bert", True, None,
-     {"micro_batch_size": 4, "accumulation_steps": 2, "checkpointing": True}, False),
-    ("gpt2 raf", "gpt2", True, None, {"micro_batch_size": 8}, True),
-    ("gpt2 no-raf bf16-params", "gpt2", False, "bf16", {"micro_batch_size": 8}, False),
+    ("bert raf", "bert", True, None, {"micro_batch_size": 8}, False, False),
+    ("bert no-raf", "bert", False, None, {"micro_batch_size": 8}, True, False),
+    ("bert bf16-params", "bert", True, "bf16", {"micro_batch_size": 8}, True, False),
+    ("bert micro 4x2 sync-off", "bert", True, None,
+     {"micro_batch_size": 4, "accumulation_steps": 2}, True, False),
+    ("bert micro 4x2 ckpt reduce-each", "bert", True, None,
+     {"micro_batch_size": 4, "accumulation_steps": 2, "checkpointing": True}, False, True),
+    ("gpt2 raf", "gpt2", True, None, {"micro_batch_size": 8}, True, False),
+    ("gpt2 no-raf bf16-params", "gpt2", False, "bf16", {"micro_batch_size": 8}, False, False),
+    ("gpt2 micro 2x4 sync-off", "gpt2", True, None, {"micro_batch_size": 2, "accumulation_steps": 4},
+     False, False),
 ]
 
 
@@ -67,13 +73,13 @@ def _worker(rank, init_file, out_dir, configs):
     import autofit
     from torch.distributed.device_mesh import init_device_mesh
     from autofit.engine.step import StepRunner
-    from autofit.estimator.sharded import estimate_sharded
+    from autofit.estimator.sharded import estimate_sharded, gradient_sync_off
     from autofit.gpu.device import SimulatedDevice
     from autofit.plans.plan import Plan
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
-    for name, kind, raf, param_dtype, fields, shard_first in configs:
+    for name, kind, raf, param_dtype, fields, shard_first, reduce_each in configs:
         plan = Plan(**fields)
         batch = _batch(kind, rank)
         with autofit.simulate_gpu() as gpu:
@@ -81,7 +87,9 @@ def _worker(rank, init_file, out_dir, configs):
             _shard(model, mesh, raf, param_dtype)
             device = SimulatedDevice(gpu)
             device.place_model(model)
-            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+            sync = None if reduce_each else (  # as autofit trains a sharded model: sync on the last
+                lambda i, last, model=model: contextlib.nullcontext() if last else gradient_sync_off(model))
+            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device, sync=sync)
             runner.run(batch, plan)
             runner.run(batch, plan)  # the second step: optimizer state exists
             measured = runner.attempt_peak()
@@ -92,10 +100,12 @@ def _worker(rank, init_file, out_dir, configs):
         model = _model(kind)
         if shard_first:
             _shard(model, mesh, raf, param_dtype)
-            est = estimate_sharded(model, WORLD, plan, batch, device_type="cpu")
+            est = estimate_sharded(model, WORLD, plan, batch, reduce_each_micro_batch=reduce_each,
+                                   device_type="cpu")
         else:
             est = estimate_sharded(model, WORLD, plan, batch, reshard_after_forward=raf,
-                                   param_dtype=param_dtype, device_type="cpu")
+                                   param_dtype=param_dtype, reduce_each_micro_batch=reduce_each,
+                                   device_type="cpu")
         out[name] = {"measured": measured, "predicted": est.peak_bytes, "breakdown": est.breakdown,
                      "resident": est.resident}
         dist.barrier()  # the group still works after an estimate swapped the world in and out

@@ -18,10 +18,10 @@ Every rank holds the same: FSDP2 pads every shard to the same size, so rank 0 sp
 The ladder moves FSDP has, and what prices each one here (`FSDP_MOVES`):
 micro-batch (Plan.micro_batch_size), precision through MixedPrecisionPolicy
 (`Sharding.param_dtype`), checkpointing per block (Plan.checkpointing), `reshard_after_forward`
-(`Sharding.reshard_after_forward`). Not priced: CPUOffloadPolicy (on a CPU-only build its "device"
-and host are one memory, so the shards it moves away cannot be told apart here), and accumulation
-with gradient sync off (a micro-batch after the first is priced as FSDP2's default runs it: a
-reduce-scatter each, into the sharded gradient).
+(`Sharding.reshard_after_forward`), and how micro-batches accumulate
+(`Sharding.reduce_each_micro_batch`: gradient sync off until the last, or a reduce-scatter each).
+Not priced: CPUOffloadPolicy (on a CPU-only build its "device" and host are one memory, so the
+shards it moves away cannot be told apart here).
 
 The fake world is made by swapping torch.distributed's module-level world for a new one while an
 estimate runs, so a job that has its own process group (the capacity check under torchrun) keeps
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from autofit.engine.batches import batch_size
+from autofit.engine.batches import batch_size, slice_batch
+from autofit.engine.step import StepRunner
 from autofit.estimator.data_dependent import Hints
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.fakes import check_optimizer, fake_like, fake_model, fake_optimizer, warm
@@ -56,6 +56,7 @@ FSDP_MOVES = {
     "precision (MixedPrecisionPolicy)": "Sharding.param_dtype",
     "checkpointing per block": "Plan.checkpointing",
     "reshard_after_forward": "Sharding.reshard_after_forward",
+    "a reduce-scatter per micro-batch": "Sharding.reduce_each_micro_batch",
 }
 
 
@@ -69,14 +70,18 @@ class Sharding:
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     units: tuple[str, ...] | None = None  # None: what `shard=True` wraps (distributed/fsdp.blocks)
+    # Accumulation: False, gradient sync off on all but the last micro-batch (the unsharded
+    # gradients of every unit are kept until it); True, a reduce-scatter per micro-batch into the
+    # sharded gradient (less memory, W-1/W of the gradients sent per micro-batch).
+    reduce_each_micro_batch: bool = False
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
                 or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int but got {self.world_size!r}.")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False but got "
-                            f"{self.reshard_after_forward!r}.")
+        for name in ("reshard_after_forward", "reduce_each_micro_batch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False but got {getattr(self, name)!r}.")
         if self.param_dtype is not None and self.param_dtype not in PRECISIONS:
             raise ValueError(f"param_dtype must be one of {', '.join(PRECISIONS)} or None but got "
                              f"{self.param_dtype!r}.")
@@ -87,12 +92,16 @@ class Sharding:
             parts.append("no reshard after forward")
         if self.param_dtype:
             parts.append(f"params gathered in {self.param_dtype}")
+        if self.reduce_each_micro_batch:
+            parts.append("a reduce-scatter per micro-batch")
         return ", ".join(parts)
 
 
 def sharding_of(model: torch.nn.Module) -> Sharding | None:
     """How `model` was sharded by `fully_shard` (None when it was not): its units, world size, and
     a block's reshard_after_forward and parameter dtype (the root's reshard is FSDP2's own choice)."""
+    if not dist.is_available():  # no FSDP2 in this build: nothing can be sharded
+        return None
     from torch.distributed.fsdp import FSDPModule, fully_shard
     units, groups = [], []
     for name, module in model.named_modules():
@@ -124,6 +133,7 @@ def _precision_of(dtype: torch.dtype) -> str:
 @contextlib.contextmanager
 def _entered(world):
     """torch.distributed's world is `world` inside (the caller's, if any, is put back after)."""
+    import torch.distributed.distributed_c10d as c10d
     saved, c10d._world = c10d._world, world
     try:
         yield
@@ -134,6 +144,7 @@ def _entered(world):
 def _fake_world(world_size: int):
     """A world of `world_size` ranks on the fake backend, this process rank 0; and its 1-D mesh."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    import torch.distributed.distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
     world = c10d._World()
     with _entered(world):
@@ -215,6 +226,16 @@ def _shard(model: torch.nn.Module, sharding: Sharding, mesh) -> None:
     fully_shard(model, **kw)
 
 
+@contextlib.contextmanager
+def gradient_sync_off(model):
+    """A micro-batch that is not its global batch's last: FSDP2 keeps the unsharded gradients."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 # -- the estimate -----------------------------------------------------------------------------------
 
 class ShardedEstimator(Estimator):
@@ -266,6 +287,22 @@ class ShardedEstimator(Estimator):
                 "grads": storage_bytes(trainable),  # a sharded gradient is its parameter's size
                 "optimizer": storage_bytes(self._state())}
 
+    def _measured(self, plan: Plan):
+        if self.rows <= plan.micro_batch_size or self.sharding.reduce_each_micro_batch:
+            return super()._measured(plan)
+        # Sync off: each micro-batch adds to the unsharded gradients, the last one also
+        # reduce-scatters them; two micro-batches (the second full-size when the batch has it)
+        # measure the peak of all of them.
+        return slice_batch(self.batch, 0, min(self.rows, 2 * plan.micro_batch_size)), False
+
+    def _runner(self, device) -> StepRunner:
+        return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn, sync=self._sync)
+
+    def _sync(self, i: int, last: bool):
+        if last or self.sharding.reduce_each_micro_batch:
+            return contextlib.nullcontext()
+        return gradient_sync_off(self.model)
+
     def measure(self, plan: Plan) -> MemoryEstimate:
         if plan.offload_optimizer:
             raise ValueError("offload_optimizer is not a plan for a sharded model: FSDP2 offloads "
@@ -275,14 +312,15 @@ class ShardedEstimator(Estimator):
 
 
 def estimate_sharded(model, world_size: int, plan: Plan, batch, *, reshard_after_forward=None,
-                     param_dtype=None, units=None, optimizer=None, loss_fn=None,
-                     device_type: str = "cuda") -> MemoryEstimate:
+                     param_dtype=None, units=None, reduce_each_micro_batch: bool = False,
+                     optimizer=None, loss_fn=None, device_type: str = "cuda") -> MemoryEstimate:
     """Predict one rank's peak device memory for a training step of `model` sharded with FSDP2 over
     `world_size` ranks, on this rank's `batch` under `plan`.
 
     `model` may be sharded already (`fully_shard`: its units and settings are read from it) or
     not (its blocks and the root become units). `reshard_after_forward`, `param_dtype` and `units`
-    override what was read; `optimizer` and `loss_fn` as in `autofit.estimate`. Nothing of the
+    override what was read; `reduce_each_micro_batch` says how micro-batches accumulate (see
+    `Sharding`); `optimizer` and `loss_fn` as in `autofit.estimate`. Nothing of the
     caller's is changed, its process group (if any) included.
     """
     if not isinstance(plan, Plan):
@@ -293,6 +331,7 @@ def estimate_sharded(model, world_size: int, plan: Plan, batch, *, reshard_after
         reshard_after_forward=(reshard_after_forward if reshard_after_forward is not None
                                else read.reshard_after_forward if read else True),
         param_dtype=param_dtype if param_dtype is not None else read.param_dtype if read else None,
-        units=tuple(units) if units is not None else read.units if read else None)
+        units=tuple(units) if units is not None else read.units if read else None,
+        reduce_each_micro_batch=reduce_each_micro_batch)
     return ShardedEstimator(model, batch, sharding, optimizer, loss_fn,
                             device_type=device_type).measure(plan)
