@@ -1,5 +1,7 @@
 """torch.distributed in lockstep: every rank runs the same plan at the same global batch, and none
-can be left waiting in a collective.
+can be left waiting in a collective. (Over 300 lines for this docstring: the protocol every rank
+keeps is written down once, here; the code is split into agreement, data, decide, replicas, runner
+and fsdp.)
 
 The danger is any collective that one rank reaches and another does not: DDP's gradient all-reduce
 inside backward (a rank that runs out of memory in forward never reaches it), the broadcasts of
@@ -40,10 +42,10 @@ Data comes in one of two ways, told apart at the first agreement (each rank repo
 loader has a `DistributedSampler` and a hash of its first batch):
 - **per rank** (a `DistributedSampler`, or first batches that differ, as torchrun jobs usually give
   it): each rank's batch is its share of the global batch, which is the ranks' batches together.
-  Each micro-batch is weighted within its rank's batch, and at the agreement after backward each
-  rank's gradients are scaled by its share of the global batch (its rows, or label tokens, over all
-  ranks') before the sum. When autofit drives the epochs it calls `sampler.set_epoch(epoch)` before
-  each one, as a plain DDP loop must.
+  Before each global batch the ranks agree on their shares' rows and label tokens, and each
+  micro-batch is weighted by its share of the whole (so a rank whose share has no label token
+  trains nothing, without error, and history counts the global batch's rows). When autofit drives
+  the epochs it calls `sampler.set_epoch(epoch)` before each one, as a plain DDP loop must.
 - **the same global batches on every rank** (equal first batches, or a map-style Dataset that
   autofit batches): each rank takes rows [r*n/W, (r+1)*n/W) and weights each micro-batch by its
   share of the *global* batch (rows, or label tokens counted on the global batch), so token
@@ -55,6 +57,19 @@ reason.
 
 Layers that communicate inside forward (SyncBatchNorm) are refused: a rank that failed before
 reaching one would leave the others waiting in it.
+
+A model sharded with FSDP2's `fully_shard` (or by `shard=True`, autofit.distributed.fsdp) is trained
+as it is: its parameters stay each rank's shards, FSDP gathers them per unit in forward and
+backward and reduce-scatters the gradients (summed: autofit weights the micro-batches) in the
+last micro-batch's backward, with gradient sync off before it. FSDP's collectives cannot sit
+after one agreement per attempt, so there is one more in front of each of them that a failed rank
+could miss: before each unit's gather in forward (room for the gathered parameters is made first,
+so the gather itself cannot run out of memory) and when backward reaches the model's outputs. A
+rank that failed meets the others there at its own agreement after backward, and every rank drops
+the attempt; FSDP's state is put back to sharded and idle. Still open: a failure inside backward on
+one rank (the others wait in FSDP's next gather or reduce-scatter until the process-group timeout).
+The agreements of a sharded run use a gloo group of their own, so they never trade data with
+FSDP's collectives.
 
 Rank 0 decides where the run starts (the cached plan, else the capacity check against the smallest
 budget of all ranks) and sends the decision to the others; only rank 0 reads and writes the plan
@@ -72,22 +87,20 @@ does leaves the others waiting at the first agreement until the process group's 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import zlib
 
 import torch
 
-from autofit.distributed.agreement import (BACKWARD, DECIDE, DONE, EVALUATE, HELLO, SHARES, START, STEP,
-                                           Agreement)
+from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement
+from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
-from autofit.distributed.fsdp import Sharded, is_sharded, sharding
+from autofit.distributed.fsdp import Sharded, is_sharded
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
 from autofit.engine.batches import batch_size as rows_of
-from autofit.errors import DoesNotFit, LockstepError
-from autofit.plans.ladder import SizeLog
+from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed  # noqa: F401 (also their old home)
 from autofit.plans.plan import Plan
 
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the
@@ -131,21 +144,7 @@ def refuse_collective_layers(module) -> None:
                 f"wrapper.")
 
 
-class _View:
-    """A device as seen by the capacity check or the cache key: the agreed budget, the world size
-    and how the model is spread over the ranks (`parallel`, part of the cache key)."""
-
-    def __init__(self, device, budget: int | None, name: str | None = None, parallel: dict | None = None):
-        self._device = device
-        self.budget = budget
-        self.name = name or device.name
-        self.parallel = parallel
-
-    def __getattr__(self, name):
-        return getattr(self._device, name)
-
-
-class Lockstep(Agreement):
+class Lockstep(Deciding, Agreement):
     """The agreement between the ranks of one run; see the module's docstring."""
 
     def __init__(self, model, ddp=None, *, sharded: bool = False):
@@ -221,80 +220,6 @@ class Lockstep(Agreement):
             sampler.set_epoch(next(count))
             return epoch_batches()
         return again
-
-    def agree_budgets(self, device, tensor_budget) -> None:
-        """The smallest budget of all ranks, for the capacity check (less DDP's buffers) and for
-        the cache key (the budget the user gave)."""
-        local = tensor_budget(device)
-        verdict = self.agree(START, value=-1.0 if local is None else float(local),
-                             value2=-1.0 if device.budget is None else float(device.budget),
-                             host=self._host)
-        self.limits = [int(v) if v >= 0 else None for v in verdict.values()]
-        limits = [v for v in self.limits if v is not None]
-        given = [int(v) for v in verdict.values("value2") if v >= 0]
-        self.budget = min(limits) if limits else None
-        self.cache_budget = min(given) if given else None
-
-    def estimate_view(self, device):
-        return _View(device, self.budget)
-
-    def cache_view(self, device):
-        parallel = {"world": self.world, **sharding(self.module)}
-        kind = "FSDP2" if parallel["sharding"] == "fsdp2" else "DDP"
-        return _View(device, self.cache_budget, f"{device.name} x{self.world} ranks ({kind})", parallel)
-
-    def agree_start(self, choose, sizes: SizeLog):
-        """Rank 0 calls `choose()` -> (plan, reason, settle_within), filling `sizes`; every rank
-        returns the same decision with the same `sizes`."""
-        failure, payload, refused = None, b"", False
-        if self.rank == 0:
-            try:
-                plan, reason, settle = choose()
-                payload = json.dumps({"plan": plan.to_dict(), "reason": reason, "settle": settle,
-                                      "sizes": sizes.to_json()}).encode()
-            except DoesNotFit as error:
-                refused = self._smallest() != 0  # the rank that does not fit says so itself
-                failure = None if refused else error
-            except Exception as error:
-                failure = error
-        verdict = self.agree(DECIDE, failure=failure, value=float(len(payload)), flag=refused,
-                             host=self._host)
-        if verdict.any_flag():
-            self._refuse_on_smallest(choose)
-        size = int(verdict.values()[0])
-        with self._host():
-            data = torch.zeros(size, dtype=torch.uint8)
-            if self.rank == 0:
-                data[:] = torch.tensor(list(payload), dtype=torch.uint8)
-            try:
-                torch.distributed.broadcast(data, src=self._global(0), group=self.agreement_group)
-            except Exception:
-                self.settled = True
-                raise
-            decided = json.loads(bytes(data.tolist()).decode())
-        agreed = SizeLog.from_json(decided["sizes"])
-        sizes.fits, sizes.fails = agreed.fits, agreed.fails
-        return Plan.from_dict(decided["plan"]), decided["reason"], decided["settle"]
-
-    def _smallest(self) -> int:
-        """The rank with the smallest budget (the first of equals; rank 0 when none has one)."""
-        known = [(v, r) for r, v in enumerate(self.limits) if v is not None]
-        return min(known)[1] if known else 0
-
-    def _refuse_on_smallest(self, choose) -> None:
-        """Rank 0 found no plan that fits the smallest budget: the rank that has it checks again on
-        its own device and raises DoesNotFit there; every other rank raises RankFailed."""
-        small, failure = self._smallest(), None
-        if self.rank == small:
-            try:
-                choose()
-                failure = LockstepError(f"rank 0 found no plan that fits rank {small}'s budget, but rank "
-                                        f"{small} found one; give every rank the same model, data and "
-                                        f"precision.")
-            except Exception as error:
-                failure = error
-        self.agree(DECIDE, failure=failure, host=self._host)
-        raise LockstepError(f"rank {small} did not report why no plan fits it")  # agree raised already
 
     def local(self, batch):
         """This rank's rows of a global batch (the batch itself when each rank gives its share)."""
