@@ -4,7 +4,6 @@ benchmarks/fsdp_estimate.py prints. Spawned processes: import-safe, no autofit s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -73,7 +72,8 @@ def _worker(rank, init_file, out_dir, configs):
     import autofit
     from torch.distributed.device_mesh import init_device_mesh
     from autofit.engine.step import StepRunner
-    from autofit.estimator.sharded import estimate_sharded, gradient_sync_off
+    from autofit.distributed.fsdp import Sharded
+    from autofit.estimator.sharded import estimate_sharded
     from autofit.gpu.device import SimulatedDevice
     from autofit.plans.plan import Plan
 
@@ -87,9 +87,10 @@ def _worker(rank, init_file, out_dir, configs):
             _shard(model, mesh, raf, param_dtype)
             device = SimulatedDevice(gpu)
             device.place_model(model)
-            sync = None if reduce_each else (  # as autofit trains a sharded model: sync on the last
-                lambda i, last, model=model: contextlib.nullcontext() if last else gradient_sync_off(model))
-            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device, sync=sync)
+            # as autofit trains a sharded model (sum reduction, sync on the last micro-batch only)
+            switches = Sharded(model)
+            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device,
+                                sync=None if reduce_each else switches.sync)
             runner.run(batch, plan)
             runner.run(batch, plan)  # the second step: optimizer state exists
             measured = runner.attempt_peak()

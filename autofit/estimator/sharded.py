@@ -226,16 +226,6 @@ def _shard(model: torch.nn.Module, sharding: Sharding, mesh) -> None:
     fully_shard(model, **kw)
 
 
-@contextlib.contextmanager
-def gradient_sync_off(model):
-    """A micro-batch that is not its global batch's last: FSDP2 keeps the unsharded gradients."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
 # -- the estimate -----------------------------------------------------------------------------------
 
 class ShardedEstimator(Estimator):
@@ -264,6 +254,9 @@ class ShardedEstimator(Estimator):
             self.model.train()
             names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
             _shard(self.model, sharding, mesh)
+            # FSDP2's switches as autofit trains a sharded model (sum reduction; sync on the last)
+            from autofit.distributed.fsdp import Sharded
+            self.switches = Sharded(self.model)
             sharded = dict(self.model.named_parameters(remove_duplicate=False))
             # the user's parameters -> this copy's sharded ones (fully_shard replaced them)
             fakes = {k: sharded[names[id(f)]] for k, f in fakes.items() if id(f) in names}
@@ -299,9 +292,9 @@ class ShardedEstimator(Estimator):
         return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn, sync=self._sync)
 
     def _sync(self, i: int, last: bool):
-        if last or self.sharding.reduce_each_micro_batch:
+        if self.sharding.reduce_each_micro_batch:
             return contextlib.nullcontext()
-        return gradient_sync_off(self.model)
+        return self.switches.sync(i, last)
 
     def measure(self, plan: Plan) -> MemoryEstimate:
         if plan.offload_optimizer:
