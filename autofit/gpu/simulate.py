@@ -39,6 +39,8 @@ def inner_tensors(tensors) -> list:
     """`tensors` with each wrapper subclass (DTensor: a sharded parameter, its gradient and its
     optimizer state) replaced by the tensors it wraps: a wrapper's own storage is a placeholder of
     the global shape, the memory is its local shard's."""
+    if all(type(t) is torch.Tensor for t in tensors):
+        return tensors  # what ops return almost always: nothing to unwrap
     out = []
     for t in tensors:
         if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
