@@ -22,6 +22,7 @@ from autofit.errors import DoesNotFit, MemoryNotReleased
 from autofit.plans.ladder import SizeLog, step_down
 from autofit.diagnosis.leaks import on_device_predicate
 from autofit.gpu.memory import by_kind, storage_bytes
+from autofit.gpu import fragmentation
 from autofit.gpu.oom import is_oom, release, summarize
 from autofit.plans.plan import Plan
 from autofit.engine.replay import StartState
@@ -160,7 +161,7 @@ class Controller:
         plan, reason = self.plan, self.reason
         baseline = self.device.memory_allocated()
         owned = self._owned_before(baseline) if self.device.counts else 0
-        failure = None
+        failure = found = None
         batch = self.start.begin()  # a replay: RNG, buffers, param_groups and batch as before
         try:
             loss = self.runner.run(batch, plan)
@@ -186,6 +187,7 @@ class Controller:
                 # failed is the memory at the failure less what is still here.
                 memory["step"] = max(at_failure - sum(memory.values()), 0)
             failure = (summarize(error), where, memory)
+            found = fragmentation.measure(self.device, error)  # the blocks are still held here
         peak = self.runner.attempt_peak()
         if failure is None:
             self._record(Attempt(plan, "ok", reason, peak, step))
@@ -202,6 +204,15 @@ class Controller:
         release(self.device, model=self.model, optimizer=self.runner.optimizer)
         self._check_baseline(baseline, owned)
         self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
+        # One replay of the same plan per global batch, for either reason: the cache's holes
+        # (freed first) or a size this run proved.
+        why = None if (step, plan) in self._retried else fragmentation.retry_reason(self.device, found)
+        if why:
+            self._retried.add((step, plan))
+            self.next_plan, self.reason = plan, why
+            if not self.quiet:
+                log.warning("out of memory under %s (%s); %s", plan.describe(), text, why)
+            return _Outcome(False)
         if self._retry_once(plan, step, global_batch, text):
             return _Outcome(False)
         self.sizes.record(plan, False, global_batch)

@@ -27,6 +27,7 @@ from autofit.sizes import format_size, parse_size
 
 ROUNDING = 512
 CAPS = ("allocated", "reserved")  # what a simulated GPU's budget limits
+INJECTED = "(injected fault)"  # in the message of an OOM that fail_at() caused
 
 _active = threading.local()
 
@@ -204,7 +205,7 @@ class SimulatedGPU:
         reserved = self.allocator.reserved
         used = reserved if self.caps == "reserved" else self._allocated
         free = "unlimited" if self.budget is None else format_size(max(self.budget - used, 0))
-        why = " (injected fault)" if injected else ""
+        why = f" {INJECTED}" if injected else ""
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_size(need)}. GPU 0 has a total capacity of "
             f"{budget} of which {free} is free. Of the allocated memory "
