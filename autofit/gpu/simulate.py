@@ -163,7 +163,7 @@ class SimulatedGPU:
                     given = {id(i.untyped_storage()) for i in _tensors(inputs)}
                 if key in given:
                     continue  # a view of, or an in-place write to, memory made outside the simulation
-            if all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them later
+            if not fresh or all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them
                 fresh.append((storage, key, nbytes, nbytes))
         if not fresh:
             return
@@ -244,42 +244,71 @@ def _death_callback(gpu_ref):
     return dead
 
 
+def _count(self, func, types, args=(), kwargs=None):
+    """`_CountingMode.__torch_dispatch__`: run the op, then count the storages it made."""
+    out = func(*args, **(kwargs or {}))
+    if not self.gpu._counting:
+        allocates = _ALLOCATES.get(func)
+        if allocates is None:
+            allocates = _ALLOCATES[func] = _may_allocate(func)
+        if allocates:
+            # inputs are looked at only where an output may share their storage (ALIASES)
+            self.gpu._account(_tensors(out), inputs=(args, kwargs) if allocates is ALIASES else ())
+    return out
+
+
+def _skipped_by_dynamo(fn) -> bool:
+    """Mark `fn` so that torch.compile's frame evaluation runs it, and the frames it calls, as they
+    are (what torch._disable_dynamo ensures with a wrapper that costs about 1 us on every op).
+    False where this torch has no such switch."""
+    try:
+        from torch._C._dynamo import eval_frame
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+        return True
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
+_SKIPPED = _skipped_by_dynamo(_count)
+
+
 class _CountingMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _SKIPPED  # torch's own wrapper only where the code could not be marked
+
     def __init__(self, gpu: SimulatedGPU):
         super().__init__()
         self.gpu = gpu
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.gpu._counting:
-            allocates = _ALLOCATES.get(func)
-            if allocates is None:
-                allocates = _ALLOCATES[func] = _may_allocate(func)
-            if allocates:
-                # the inputs are flattened only when an output's storage is new to the counter
-                self.gpu._account(_tensors(out), inputs=(args, kwargs))
-        return out
+    __torch_dispatch__ = _count
 
 
-_ALLOCATES: dict = {}  # op -> whether its outputs can hold new or resized storage
+_ALLOCATES: dict = {}  # op -> False, FRESH or ALIASES (see _may_allocate)
 _RESIZING = {"resize_", "resize_as_", "set_", "_resize_output_"}
+FRESH, ALIASES = "fresh", "aliases"
 
 
-def _may_allocate(func) -> bool:
+def _may_allocate(func):
     """False for ops whose every result aliases an input without resizing it: views (view,
     transpose, expand, detach, ...) and in-place ops other than resizing ones and out= variants.
-    Skipping them is most of what keeps the counter cheap per op."""
+    Skipping them is most of what keeps the counter cheap per op. FRESH for ops whose schema says
+    every result is a new tensor (their inputs need no look), ALIASES for the others: results that
+    may be an input's storage, resized, and the `unsafe` ops whose schema does not say they alias
+    (`_unsafe_view`, `unsafe_split`: the exceptions PyTorch's own SchemaCheckMode allows)."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.returns:
-        return schema is None
+        return ALIASES if schema is None else False
     name = schema.name.split("::")[-1]
-    if name in _RESIZING:
-        return True
+    if name in _RESIZING or "unsafe_" in name:
+        return ALIASES
+    if all(r.alias_info is None for r in schema.returns):
+        return FRESH
     if any(r.alias_info is None for r in schema.returns):
-        return True  # a new tensor
+        return ALIASES  # a new tensor beside an aliased one
     # every result aliases an input: a view, an in-place op, or an out= variant (which may resize)
-    return not name.endswith("_") and any(r.alias_info.is_write for r in schema.returns)
+    return ALIASES if not name.endswith("_") and any(r.alias_info.is_write for r in schema.returns) else False
 
 
 @contextlib.contextmanager
