@@ -191,14 +191,16 @@ class SimulatedGPU:
                     self.allocator.free(block)
             raise self._oom(sum(f[2] for f in fresh)) from None
         for (storage, key, extra, nbytes), block in zip(fresh, blocks):
-            old = self._live.get(key)
-            if old is not None and old[2] is not None:
-                self.allocator.free(old[2])
+            if extra != nbytes:  # resized in place: its old block goes back
+                old = live.get(key)
+                if old is not None and old[2] is not None:
+                    self.allocator.free(old[2])
             ref = weakref.ref(storage, self._dead)
             self._ref_keys[id(ref)] = key
             live[key] = (ref, nbytes, block)
             self._allocated += extra
-        self._peak = max(self._peak, self._allocated)
+        if self._allocated > self._peak:
+            self._peak = self._allocated
 
     def _oom(self, need: int, injected: bool = False) -> torch.OutOfMemoryError:
         budget = "unlimited" if self.budget is None else format_size(self.budget)
