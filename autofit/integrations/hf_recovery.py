@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-import random
 from dataclasses import dataclass
 
 import torch
 
 from autofit.engine.controller import CUDA_BASELINE_SLACK
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.gpu.device import describe_tensors
 from autofit.errors import DoesNotFit, MemoryNotReleased
 from autofit.gpu.oom import is_oom, release, summarize
@@ -47,23 +47,6 @@ class Start:
         set_rng_state(self.rng)
 
 
-def rng_state() -> tuple:
-    """The global random generators the Trainer draws from: Python's, numpy's, torch's (CPU, CUDA)."""
-    return (random.getstate(), _numpy_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(state: tuple) -> None:
-    py, np_state, cpu, cuda = state
-    random.setstate(py)
-    if np_state is not None:
-        import numpy
-        numpy.random.set_state(np_state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _host(obj):
     """A deep copy with every tensor copied to host memory (load_state_dict puts them back)."""
     if isinstance(obj, torch.Tensor):
@@ -73,14 +56,6 @@ def _host(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_host(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _numpy_state():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
 
 
 def free_attempt(trainer, device, owns_optimizer: bool) -> None:
