@@ -116,6 +116,29 @@ def test_forbidding_splits_keeps_batches_whole_or_says_why_not():
         autofit.run(model, batches, loss_fn=loss_fn, allow_split="no")
 
 
+def test_the_stepper_forbids_splits_as_run_does():
+    batches = images(n=2)
+    model = cnn()
+    handle = fits_rows(model, 8)
+    with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="fp32", allow_split=False) as step:
+        with pytest.raises(autofit.DoesNotFit, match=re.escape(
+                "splitting the global batch is forbidden (allow_split=False) and no whole-batch plan fits")) as error:
+            step(batches[0])
+    assert [(a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer) for a in error.value.attempts] \
+        == [(16, False, False), (16, True, False), (16, True, True)]
+    handle.remove()
+    fits_rows(model, 16)
+    with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="fp32", allow_split=False,
+                         ladder=lambda p: p.with_micro_batch(4, p.global_batch)) as step:
+        step.load_state_dict({"version": 1, "plan": Plan.for_batch(16, 4).to_dict(), "sizes": SizeLog().to_json()})
+        assert [step(b).plan.micro_batch_size for b in batches] == [16, 16]  # the resumed split made whole
+        step.load_state_dict({"version": 1, "plan": Plan.for_batch(16, 8).to_dict(), "sizes": SizeLog().to_json()})
+        assert step(batches[0]).plan.micro_batch_size == 16
+    with pytest.raises(TypeError, match=re.escape("allow_split must be True or False but got 'no'.")):
+        with autofit.stepper(model, sgd, loss_fn=loss_fn, allow_split="no"):
+            pass
+
+
 def walk(ladder, plan):
     seen = [plan]
     while (plan := ladder(plan)) is not None:
