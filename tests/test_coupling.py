@@ -139,6 +139,38 @@ def test_the_stepper_forbids_splits_as_run_does():
             pass
 
 
+def wide_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 12 * 12, 3)))
+
+
+def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
+    """Estimated peaks (fp32, 16 rows): whole 539.5 KiB, whole with checkpointing 448 KiB, micro 8
+    322 KiB; 90% of the budget is 492 KiB. The fastest fitting plan splits (micro 8 x 2); the
+    ladder would reach whole-batch checkpointing first, so the run starts there and never splits."""
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 3, (16,), generator=g)}
+               for _ in range(2)]
+    model = wide_cnn()
+    torch.manual_seed(1234)
+    result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, budget=560_000, precision="fp32",
+                         progress=False, cache=False)
+    assert attempts(result) == [(0, 16, True, False, "ok"), (1, 16, True, False, "ok")]
+    assert result.attempts[0].reason == (
+        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 448.00 KiB of "
+        "546.88 KiB); batch-coupled layers keep the batch whole first")
+    assert_same_state(model, plain_loop(wide_cnn(), batches, [16, 16]))
+    coupling = Coupling(wide_cnn())
+    assert [(p.micro_batch_size, p.precision, p.checkpointing, p.offload_optimizer)
+            for p in coupling.whole_plans(16, "auto", True)] == [
+        (16, "fp32", False, False), (16, "bf16", False, False), (16, "bf16", True, False), (16, "bf16", True, True)]
+    assert Coupling(nn.Linear(2, 2)).whole_plans(16, "fp32", True) == []
+    assert len(Coupling(nn.Linear(2, 2), allow_split=False).whole_plans(16, "fp32", True)) == 3
+
+
 def walk(ladder, plan):
     seen = [plan]
     while (plan := ladder(plan)) is not None:

@@ -129,7 +129,8 @@ class Training:
             if self.capacity_check and self.user_ladder is None:
                 batch = longest_batch(data, first) if data is not None else first
                 estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
-                                            lockstep.estimate_view(device), precision, sizes)
+                                            lockstep.estimate_view(device), precision, sizes,
+                                            coupling=self.coupling)
                 if estimated is not None:
                     start, reason = estimated
                     return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
