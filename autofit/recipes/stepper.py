@@ -119,7 +119,8 @@ class Step:
 
 @contextlib.contextmanager
 def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
-            max_grad_norm=None, ladder=None, cache=True, capacity_check=True, allow_split=True):
+            max_grad_norm=None, ladder=None, cache=True, capacity_check=True, allow_split=True,
+            shard=False):
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
     `StepOutput` (.loss, .plan, .attempts, .grad_norm).
 
@@ -131,10 +132,11 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
     batch-coupled layers may need), as for `autofit.run`; a resumed plan that splits is made whole.
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
     `step` with its own share of each global batch (as a DistributedSampler gives it; call its
-    set_epoch yourself) or with the same global batches, as with `autofit.run`.
+    set_epoch yourself) or with the same global batches, as with `autofit.run`; `shard` as there.
     """
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=True, capacity_check=capacity_check, allow_split=allow_split)
+                        progress=True, capacity_check=capacity_check, allow_split=allow_split,
+                        shard=shard)
     with training:
         yield Step(training)
