@@ -153,10 +153,25 @@ def _worker(rank, init_file, out_dir):
         fully_shard(model)
         return model
 
+    # 0. Unequal simulated budgets: rank 1's is just below what its second global batch of 8 rows
+    # needed (measured here with room to spare; first, in a fresh process), rank 0's is large; both
+    # ranks walk one plan sequence. The models are made on the simulated GPUs, as on a card.
+    three = cls_batches(3, rows=2 * PER_RANK, seed=4)
+    with autofit.simulate_gpu("256MiB"):
+        measured = run(user_sharded(), three, ladder=_halve)
+    need = max(a.peak_bytes for a in measured.attempts if a.step > 0)
+    with autofit.simulate_gpu("256MiB" if rank == 0 else need - 1):
+        model = user_sharded()
+        result = run(model, three, ladder=_halve)
+    seen["budgets"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.error[:40]]
+                                    for a in result.attempts],
+                       "micro": [h["plan"].micro_batch_size for h in result.history]}
+    saved["budgets"] = _full(model)
+
     # 1. The user's fully_shard model, data from a DistributedSampler (two epochs), and on rank 1 one
     # OOM in forward (global batch 1, inside the second layer, after the gathers before it) and one
     # in backward (global batch 2 at 6 rows, when the ladder probes up: in the first layer's
-    # backward, after the second layer's): both ranks step down together each time. (Not under a simulated budget: see test_budgets.)
+    # backward, after the second layer's): both ranks step down together each time. 
     model = user_sharded()
     if rank == 1:
         forwards, backwards = [], []
@@ -290,6 +305,21 @@ def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_proc
                                                       for j in orders[r][i:i + PER_RANK]])
                     for i in range(0, len(samples) // WORLD, PER_RANK)]
     assert _max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
+
+
+def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
+    from reference import cls_batches
+    (r0, r1), (p0, p1) = ranks
+    plans = [a[:3] for a in r0["budgets"]["attempts"]]
+    assert plans == [a[:3] for a in r1["budgets"]["attempts"]]
+    assert plans[:3] == [[0, 8, "ok"], [1, 8, "oom"], [1, 4, "ok"]]
+    oom0 = [a[3] for a in r0["budgets"]["attempts"] if a[2] == "oom"]
+    oom1 = [a[3] for a in r1["budgets"]["attempts"] if a[2] == "oom"]
+    assert all(text.startswith("out of memory on another rank (rank 1") for text in oom0)
+    assert all(not text.startswith("out of memory on another rank") for text in oom1)  # its own
+    assert _max_diff(p0["budgets"], p1["budgets"]) == 0
+    batches = cls_batches(3, rows=16, seed=4)
+    assert _max_diff(p0["budgets"], _loop(batches, r0["budgets"]["micro"])) <= 1e-5
 
 
 def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks):
