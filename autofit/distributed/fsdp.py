@@ -114,6 +114,7 @@ class Sharded:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.units = fsdp_units(model)
+        self.guards = None  # fsdp_guard.Guards once `guard` is called (a lockstep's run)
         self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
                         g.all_reduce_grads)
                        for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
@@ -135,7 +136,8 @@ class Sharded:
         """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`)."""
         for unit in self.units:
             unit.set_requires_gradient_sync(last, recurse=False)
-        self.guards.reducing = last
+        if self.guards is not None:
+            self.guards.reducing = last
         return _NULL
 
     def abandon(self) -> None:
@@ -173,7 +175,7 @@ class Sharded:
                                 torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
     def close(self) -> None:
-        if getattr(self, "guards", None) is not None:
+        if self.guards is not None:
             self.guards.remove()
         for g, factor, force_sum, reduce, all_reduce in self._saved:
             g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
