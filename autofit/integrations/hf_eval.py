@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autofit.engine.attempt import Attempter, outside, until_fits
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
-from autofit.integrations.hf_recovery import rng_state, set_rng_state
 from autofit.integrations.hf_trainer import raw_optimizer
 
 
