@@ -85,7 +85,15 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     expected = estimate_sharded(tiny_bert(), 4, plan, bert_batch, reshard_after_forward=False,
                                 units=["bert.encoder.layer.0", "bert.encoder.layer.1"],
                                 device_type="cpu")
+    # during a run, autofit's agreements hook the units: the estimate must never call them
+    from autofit.distributed.fsdp import Sharded
+    checks = []
+    switches = Sharded(model)
+    switches.guard(lambda size, device: checks.append(size))
+    switches.arm(True)
     assert autofit.estimate(model, bert_batch, plan, device_type="cpu").peak_bytes == expected.peak_bytes
+    assert checks == []
+    switches.close()
     candidates = rank(model, bert_batch, "1GiB", precision="fp32", device_type="cpu")
     assert [c.plan for c in candidates] == [Plan(8)]  # the whole batch fits; no offload offered
     assert candidates[0].estimate.peak_bytes == estimate_sharded(

@@ -173,6 +173,12 @@ def _unsharded_fake(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
         memo[id(state)] = gone
         for group in getattr(state, "_fsdp_param_groups", ()) or ():
             memo[id(group)] = gone
+    for m in model.modules():  # hooks of the training machinery (autofit's agreements): not copied
+        for hooks in vars(m).values():
+            if isinstance(hooks, dict) and not isinstance(hooks, torch.nn.Module):
+                for owner in (getattr(h, "__self__", None) for h in hooks.values()):
+                    if type(owner).__module__.startswith(("torch.distributed", "autofit.")):
+                        memo[id(owner)] = gone
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)  # a DTensor's fake is its global shape
