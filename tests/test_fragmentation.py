@@ -146,3 +146,29 @@ def test_an_injected_fault_is_not_fragmentation():
 ])
 def test_expandable_segments_are_added_to_the_allocator_settings_unless_chosen(settings, environ, expected):
     assert with_expandable_segments(settings, environ) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_new_segments_are_expandable_after_the_switch_and_the_settings_come_back():
+    import os
+    before = torch._C._accelerator_getAllocatorSettings()
+    if with_expandable_segments(before, os.environ) is None or torch.cuda.get_allocator_backend() != "native":
+        pytest.skip("expandable segments already chosen, or not the native allocator")
+
+    def expandable(tensor):
+        for segment in torch.cuda.memory_snapshot():
+            if segment["address"] <= tensor.data_ptr() < segment["address"] + segment["total_size"]:
+                return segment.get("is_expandable", False)
+        raise AssertionError("no segment holds the tensor")
+
+    with open_device() as device:
+        fixed = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+        assert fragmentation.free(device) == "emptied the cache, switched on expandable segments"
+        grown = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+        assert (expandable(fixed), expandable(grown)) == (False, True)
+        assert fragmentation.free(device) == "emptied the cache"  # on already: nothing to switch
+        del fixed, grown
+    assert torch._C._accelerator_getAllocatorSettings() == ",".join(
+        s for s in (before, "expandable_segments:False") if s)
+    torch.cuda.empty_cache()
