@@ -29,6 +29,11 @@ def test_a_dtensor_counts_its_local_shard_not_its_global_shape():
         assert gpu.memory_allocated() == 40448 + 20480
 
 
+def test_storage_bytes_reads_a_generator_once_and_counts_it():
+    from autofit.gpu.memory import storage_bytes
+    assert storage_bytes(t for t in [torch.zeros(10), torch.zeros(200)]) == 512 + 1024
+
+
 def test_a_storage_resized_by_hand_is_freed_and_counted_again():
     # FSDP2 frees an all-gathered parameter with storage.resize_(0) and refills it the same way
     with autofit.simulate_gpu() as gpu:
