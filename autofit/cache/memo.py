@@ -16,6 +16,7 @@ import time
 from autofit.cache.store import PlanCache
 from autofit.cache.fingerprint import job_key
 from autofit.plans.ladder import SizeLog, config_of
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 
 log = logging.getLogger("autofit")
@@ -66,7 +67,7 @@ class Memo:
         if plan is None:
             return None
         wrong = None
-        if self.precision != "auto" and plan.precision != self.precision:
+        if self.precision != precisions.AUTO and plan.precision != self.precision:
             wrong = f"its plan is {plan.precision} but this job asks for precision={self.precision!r}"
         elif applies is not None:
             wrong = applies(plan)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from autofit.plans.coupling import describe as describe_coupling
 from autofit.gpu.memory import KINDS, format_breakdown
+from autofit.plans import precision as precisions
 from autofit.sizes import format_size
 
 # The rules, as shares of the memory at the failure (or of the budget, where one is known).
@@ -115,7 +116,7 @@ def fixes_for(memory: dict, plan, budget: int | None = None, where: str = "") ->
             f"{_pct(activations, total)}) dominate and grow with the micro-batch; micro-batches of "
             f"{half} with {steps} accumulation steps keep the global batch and its gradient while "
             f"holding about half the activations.")))
-    if big_activations and plan.precision == "fp32":
+    if big_activations and not precisions.get(plan.precision).mixed:
         out.append(Fix("amp", "mixed precision (AMP)", (
             f"bf16 autocast (fp16 with a GradScaler where bf16 is "
             f"unsupported) keeps activations in 16 bits, roughly halving the "
@@ -169,7 +170,7 @@ def _changes(old, new) -> tuple[list[str], set]:
         words.append(f"micro-batch {old.micro_batch_size} -> {new.micro_batch_size}")
     if new.precision != old.precision:
         words.append(f"{old.precision} -> {new.precision}")
-        if old.precision == "fp32":
+        if not precisions.get(old.precision).mixed:
             keys.add("amp")
     if new.checkpointing != old.checkpointing:
         words.append("activation checkpointing " + ("on" if new.checkpointing else "off"))

@@ -46,17 +46,16 @@ from autofit.engine.checkpointing import Checkpointing
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.plans.ladder import BUSY_FLOOR, config_of
 from autofit.gpu.memory import format_breakdown
-from autofit.plans.plan import PRECISIONS, Plan
+from autofit.plans import precision as precisions
+from autofit.plans.plan import Plan
 from autofit.plans.precision import MIXED_PRECISION_COST  # noqa: F401  (its old import path)
 from autofit.plans.precision import get as get_precision
-from autofit.plans.precision import mixed_for
 from autofit.sizes import format_size, parse_size
 
 MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
 CHECKPOINT_COST = 4 / 3       # one more forward
 OFFLOAD_COST = 3.0            # host update and transfers
 TIGHT = 0.8                   # resident bytes above this share of the budget: check frugal plans first
-PRECISION_POLICIES = ("auto",) + PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -94,15 +93,7 @@ def plan_cost(plan: Plan, global_batch: int) -> float:
     return cost
 
 
-def _precisions(precision: str, bf16_supported: bool) -> tuple[str, ...]:
-    if precision not in PRECISION_POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
-    if precision == "auto":
-        return ("fp32", mixed_for(bf16_supported))
-    return (precision,)
-
-
-def candidate_plans(global_batch: int, precision: str = "auto", *, bf16_supported: bool = True,
+def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16_supported: bool = True,
                     allow_offload: bool = True, checkpointing: bool = True) -> list[Plan]:
     """Every plan worth considering for a global batch, fastest first (by `plan_cost`; ties: fp32,
     no checkpointing, no offload, larger micro-batch first).
@@ -111,13 +102,13 @@ def candidate_plans(global_batch: int, precision: str = "auto", *, bf16_supporte
     where bf16 is unsupported); a fixed precision gives only itself. Checkpointing off and on
     (`checkpointing=False`: off only), offload off and on (`allow_offload=False`: off only).
     """
-    precisions = _precisions(precision, bf16_supported)
+    allowed = precisions.allowed(precision, bf16_supported)
     plans = [Plan.for_batch(global_batch, m, precision=p, checkpointing=c, offload_optimizer=o)
-             for p in precisions
+             for p in allowed
              for c in ((False, True) if checkpointing else (False,))
              for o in ((False, True) if allow_offload else (False,))
              for m in micro_batch_sizes(global_batch)]
-    order = {p: i for i, p in enumerate(PRECISIONS)}
+    order = {p: i for i, p in enumerate(precisions.names())}
     return sorted(plans, key=lambda p: (plan_cost(p, global_batch), order[p.precision], p.checkpointing,
                                         p.offload_optimizer, -p.micro_batch_size))
 
@@ -126,7 +117,7 @@ class _OutOfEstimates(Exception):
     pass
 
 
-def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_fn=None,
+def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=None, loss_fn=None,
          margin: float = 0.9, device_type: str = "cuda", calibration: float = 1.0,
          max_estimates: int | None = None, bf16_supported: bool = True,
          allow_offload: bool = True) -> list[Candidate]:
@@ -138,7 +129,7 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
     plan fits, the most frugal plan is estimated all the same, so `needs_message` can say why.
     """
     budget = parse_size(budget)
-    _precisions(precision, bf16_supported)  # a bad precision fails before any work
+    precisions.check_policy(precision)  # a bad precision fails before any work
     if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
         raise ValueError(f"margin must be in (0, 1] but got {margin!r}; 0.9 keeps 10% of the budget free.")
     if not (isinstance(calibration, (int, float)) and calibration > 0):
@@ -217,7 +208,7 @@ def _most_frugal(plans: list[Plan]) -> Plan:
     """The plan most likely to use the least memory: smallest micro-batch, checkpointing, offload,
     mixed precision."""
     return min(plans, key=lambda p: (p.micro_batch_size, not p.offload_optimizer, not p.checkpointing,
-                                     p.precision == "fp32"))
+                                     not get_precision(p.precision).mixed))
 
 
 def _largest_fitting(group: list[Plan], measure, limit: float, floor) -> Plan | None:

@@ -69,6 +69,7 @@ from autofit.estimator.fakes import (
     warm,
 )
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import SimulatedGPU, _CountingMode, round_bytes
 from autofit.engine.step import StepRunner
@@ -314,8 +315,8 @@ class Estimator:
     def _measure(self, plan: Plan) -> MemoryEstimate:
         meter = _Meter()
         device = self._device(meter)
-        # fp16 has bf16's sizes; GradScaler's found-inf check needs real values.
-        run_plan = plan.replace(precision="bf16") if plan.precision == "fp16" else plan
+        numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
+        run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
@@ -356,7 +357,7 @@ class Estimator:
             for h in hooks:
                 h.remove()
             self.optimizer.zero_grad(set_to_none=True)
-        if plan.precision == "fp16":
+        if numerics.needs_scaler:
             peak += SCALER_BYTES
             breakdown["other"] += SCALER_BYTES
         return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,

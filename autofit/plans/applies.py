@@ -3,7 +3,7 @@ cannot run is skipped with its reason instead of raising in the middle of a run.
 
 `not_applicable(plan, ...)` names the first part of `plan` that cannot run here, or None:
 - activation checkpointing on a model with no repeated blocks and no Hugging Face switch;
-- bf16 on a device without bf16 support;
+- a precision the device does not support (bf16 without bf16 support: Precision.supported_on);
 - optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
 - a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
   already updates one parameter at a time.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from autofit.engine.checkpointing import Checkpointing
 from autofit.engine.offload import rebuild_problem
+from autofit.plans import precision as precisions
 
 
 def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing | None = None) -> str | None:
@@ -22,8 +23,8 @@ def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing 
         if not checkpointing.available and not checkpointing.initial:
             return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
                     f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
-    if plan.precision == "bf16" and not device.supports_bf16():
-        return f"bf16 is not supported on {device.describe()}"
+    if not precisions.get(plan.precision).supported_on(device):
+        return f"{plan.precision} is not supported on {device.describe()}"
     if plan.offload_optimizer:
         problem = rebuild_problem(optimizer)
         if problem:

@@ -29,6 +29,7 @@ from autofit.plans.ladder import SizeLog, as_move
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.estimator.start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
 from autofit.engine.step import StepRunner
@@ -81,8 +82,9 @@ class Training:
             self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
             device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
-            if self.precision == "fp16" and device.type == "cpu":
-                log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
+            if device.type in getattr(precisions.REGISTRY.get(self.precision), "slow_on", ()):
+                log.info("%s autocast is far slower than the other precisions on %s; it is honoured as asked",
+                         self.precision, device.type)
         except BaseException:
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
@@ -133,7 +135,7 @@ class Training:
                 if estimated is not None:
                     start, reason = estimated
                     return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
-            return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
+            return (Plan.for_batch(first_rows, precision=precisions.start_precision(precision)),
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes)

@@ -70,7 +70,7 @@ from autofit.gpu.device import open_device
 from autofit.engine.inputs import build_optimizer, global_batches
 from autofit.plans.ladder import SizeLog, config_of
 from autofit.cache.memo import Memo
-from autofit.plans.plan import PRECISIONS
+from autofit.plans import precision as precisions
 from autofit.estimator.start import longest_batch, tensor_budget
 from autofit.tuning.study import (
     TuneTrial,
@@ -87,7 +87,6 @@ from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan
 log = logging.getLogger("autofit")
 
 STUDY_PREFIX = "autofit-"
-PRECISION_POLICIES = ("auto",) + PRECISIONS
 RUN_OPTIONS = ("n_trials", "steps", "warmup", "rounds", "retune", "storage", "study_name", "clock")
 
 
@@ -112,8 +111,7 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=R
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     check_options(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
                   storage=storage, study_name=study_name, clock=clock)
-    if precision not in PRECISION_POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    precisions.check_policy(precision)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     if isinstance(data, Iterator):
@@ -139,7 +137,7 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=R
                 placed.undo(opt)
 
 
-def tune_on(device, model, optimizer, *, first, batches, longest=None, precision="auto", loss_fn=None,
+def tune_on(device, model, optimizer, *, first, batches, longest=None, precision=precisions.AUTO, loss_fn=None,
             n_trials=None, warmup=1, rounds=ROUNDS, retune=False, storage=None, study_name=None,
             cache=True, clock=time.perf_counter) -> TuneResult:
     """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`):
