@@ -19,8 +19,9 @@ from tenacity.stop import stop_base
 from autofit.engine.batches import batch_size, row_elements
 from autofit.gpu.device import _tensors, describe_tensors
 from autofit.errors import DoesNotFit, MemoryNotReleased
+from autofit.plans.applies import unavailable_changes
 from autofit.plans.ladder import SizeLog, step_down
-from autofit.diagnosis.leaks import on_device_predicate
+from autofit.diagnosis.on_device import on_device_predicate
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.gpu.oom import is_oom, release, summarize
 from autofit.plans.plan import Plan
@@ -49,6 +50,8 @@ class Attempt:
     where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
     memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
                                                 # optimizer step's own temporaries, for its phases)
+    unavailable: dict = field(default_factory=dict)  # {plan field: why turning it on cannot run
+                                                     # for this job}, at a failure (explain's fixes)
 
     def describe(self) -> str:
         text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
@@ -201,7 +204,8 @@ class Controller:
         self.runner.abandon()
         release(self.device, model=self.model, optimizer=self.runner.optimizer)
         self._check_baseline(baseline, owned)
-        self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory))
+        unavailable = unavailable_changes(plan, getattr(self.runner, "not_applicable", None))
+        self._record(Attempt(plan, "oom", reason, peak, step, text, where, memory, unavailable))
         if self._retry_once(plan, step, global_batch, text):
             return _Outcome(False)
         self.sizes.record(plan, False, global_batch)

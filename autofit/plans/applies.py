@@ -7,6 +7,9 @@ cannot run is skipped with its reason instead of raising in the middle of a run.
 - optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
 - a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
   already updates one parameter at a time.
+
+`unavailable_changes(plan, applies)` applies the same rule to the changes a diagnosis may suggest
+after a failure, so autofit.explain never offers a fix the ladder would skip.
 """
 
 from __future__ import annotations
@@ -48,3 +51,25 @@ def per_parameter_problem(optimizer, device) -> str | None:
     if all(g["foreach"] is False or (g["foreach"] is None and device.type != "cuda") for g in groups):
         return f"{name} already updates one parameter at a time (foreach off)"
     return None
+
+
+def unavailable_changes(plan, applies) -> dict[str, str]:
+    """{plan field: why turning it on cannot run for this job} for the changes a diagnosis may
+    suggest after a failure under `plan`: mixed precision (none of the registry's applies),
+    checkpointing, optimizer offload, a per-parameter step. `applies` is `not_applicable` bound to
+    the job (a plan -> reason or None); None, or a plan that does not apply itself: nothing known."""
+    if applies is None or applies(plan) is not None:
+        return {}
+    changes = {
+        "precision": [] if precisions.get(plan.precision).mixed else
+        [plan.replace(precision=name) for name in precisions.mixed_names()],
+        "checkpointing": [] if plan.checkpointing else [plan.replace(checkpointing=True)],
+        "offload_optimizer": [] if plan.offload_optimizer else [plan.replace(offload_optimizer=True)],
+        "per_parameter_step": [] if plan.per_parameter_step else [plan.replace(per_parameter_step=True)],
+    }
+    out = {}
+    for name, plans in changes.items():
+        reasons = [applies(p) for p in plans]
+        if reasons and all(reasons):
+            out[name] = reasons[0]
+    return out
