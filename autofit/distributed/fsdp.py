@@ -46,6 +46,15 @@ def fsdp_units(model) -> list:
     return sorted(units, key=lambda m: m is model)
 
 
+def sharding(model) -> dict:
+    """How `model` is spread over the ranks, for the cache key: {"sharding": "fsdp2", "units": the
+    names of the modules fully_shard was applied to} or {"sharding": "replicated"}."""
+    if not is_sharded(model):
+        return {"sharding": "replicated"}
+    units = {id(m) for m in fsdp_units(model)}
+    return {"sharding": "fsdp2", "units": [name for name, m in model.named_modules() if id(m) in units]}
+
+
 def block_classes(model: torch.nn.Module) -> set[type]:
     """The model's block classes: Hugging Face's `_no_split_modules` (the classes it never splits
     across devices: its layers, and e.g. BERT's embeddings), else the one class of the children of
@@ -92,3 +101,106 @@ def shard(model: torch.nn.Module, **options) -> torch.nn.Module:
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
+
+
+class Sharded:
+    """FSDP2's switches for one run of a sharded model, handed back as they were by `close`.
+
+    Gradients are summed over the ranks (divide factor 1: autofit weights every micro-batch by its
+    share of the global batch, as it does under DDP); every micro-batch but a global batch's last
+    runs with gradient sync off, so the reduce-scatter runs once per global batch; a failed attempt
+    reshards every unit, so the replay starts from the sharded state the step began with."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.units = fsdp_units(model)
+        self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
+                        g.all_reduce_grads)
+                       for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
+        for unit in self.units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+    def guard(self, check) -> None:
+        """Call `check(unit_bytes)` before each unit gathers its parameters in forward, while armed:
+        the lockstep's agreement, so a rank that failed earlier in the attempt stops the others
+        before a collective it would never join (see autofit.distributed.lockstep)."""
+        self.armed = False
+        self.hooks = []
+        for unit in self.units:
+            size, device = _gathered(unit)
+            self.hooks.append(unit.register_forward_pre_hook(
+                lambda module, args, size=size, device=device: check(size, device) if self.armed else None,
+                prepend=True))
+
+        # And once more when backward reaches the model's outputs, before any unit gathers again or
+        # reduces: a rank that failed after the last gather of forward (a loss_fn) meets it there.
+        def outputs_done(module, args, output):
+            from autofit.engine.batches import _fields
+            leaves = [t for _, t in _fields(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.armed and leaves:
+                torch.autograd.graph.register_multi_grad_hook(leaves, lambda grads: check(0, None),
+                                                              mode="any")
+        if self.units:
+            self.hooks.append(self.model.register_forward_hook(outputs_done, prepend=True))
+
+    def sync(self, i: int, last: bool):
+        """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`)."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+        return _NULL
+
+    def abandon(self) -> None:
+        """After a failed attempt: every unit back to sharded and idle, whatever phase the failure
+        interrupted (FSDP itself expects each forward to finish: its state says where it stopped),
+        and nothing of the attempt's gathers kept."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        for unit in self.units:
+            state = unit._get_fsdp_state()
+            state._training_state = TrainingState.IDLE
+            state._comm_ctx.all_gather_state = None
+            state._state_ctx.iter_forward_root = None
+            state._state_ctx.post_backward_final_callback_queued = False
+            for group in state._fsdp_param_groups:
+                group._training_state = TrainingState.IDLE
+                group._all_gather_result = None
+                group.reshard()
+        self.settle()
+
+    def settle(self) -> None:
+        """Show the memory counter the gathered parameters FSDP freed: FSDP frees them by resizing
+        their storage to 0, which no tensor operation reports (a simulated GPU would count them
+        as still held); one empty `set_` on each such storage reports its size as it is now."""
+        with torch.no_grad():
+            for unit in self.units:
+                for group in unit._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        for t in getattr(fp, "all_gather_outputs", None) or ():
+                            if t.untyped_storage().nbytes() == 0:
+                                torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+
+    def close(self) -> None:
+        for hook in getattr(self, "hooks", ()):
+            hook.remove()
+        for g, factor, force_sum, reduce, all_reduce in self._saved:
+            g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
+            g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+
+
+def _gathered(unit) -> tuple[int, torch.device | None]:
+    """(bytes of the parameters `unit` all-gathers itself, not its sub-units', the shards' device)."""
+    params = [fp.sharded_param for group in unit._get_fsdp_state()._fsdp_param_groups
+              for fp in group.fsdp_params]
+    size = sum(p.numel() * p.element_size() for p in params)  # numel of a DTensor: the whole tensor's
+    return size, (params[0].device if params else None)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

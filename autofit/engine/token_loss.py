@@ -160,15 +160,17 @@ def _loss(out):
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def loss_weighting(model, batch, loss_fn, device) -> LossWeighting:
-    """The weighting of a run's micro-batches, decided once from its first batch (and said once)."""
+def loss_weighting(model, batch, loss_fn, device, probe: bool = True) -> LossWeighting:
+    """The weighting of a run's micro-batches, decided once from its first batch (and said once).
+    `probe=False` never runs the model to find how it counts (a sharded model's forward
+    communicates: it runs only inside a step)."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
     fn_items = loss_fn is not None and loss_fn_takes_items(loss_fn)
     counting = None
     if (loss_fn is None or fn_items) and labels is not None and isinstance(batch, Mapping) \
-            and forward_takes_items(model):
+            and probe and forward_takes_items(model):
         counting = probe_counting(model, batch, device)
     if loss_fn is not None:
         if fn_items:

@@ -112,7 +112,7 @@ class Step:
 
 @contextlib.contextmanager
 def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
-            max_grad_norm=None, ladder=None, cache=True, capacity_check=True):
+            max_grad_norm=None, ladder=None, cache=True, capacity_check=True, shard=False):
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
     `StepOutput` (.loss, .plan, .attempts, .grad_norm).
 
@@ -122,10 +122,10 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
     they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
     `step` with its own share of each global batch (as a DistributedSampler gives it; call its
-    set_epoch yourself) or with the same global batches, as with `autofit.run`.
+    set_epoch yourself) or with the same global batches, as with `autofit.run`; `shard` as there.
     """
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=True, capacity_check=capacity_check)
+                        progress=True, capacity_check=capacity_check, shard=shard)
     with training:
         yield Step(training)
