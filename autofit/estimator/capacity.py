@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from autofit.engine.batches import batch_size
 from autofit.engine.checkpointing import Checkpointing
 from autofit.estimator.estimate import Estimator, MemoryEstimate
+from autofit.estimator.sharded import ShardedEstimator, sharding_of
 from autofit.plans.ladder import BUSY_FLOOR, config_of
 from autofit.gpu.memory import format_breakdown
 from autofit.plans import precision as precisions
@@ -120,13 +121,15 @@ class _OutOfEstimates(Exception):
 def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=None, loss_fn=None,
          margin: float = 0.9, device_type: str = "cuda", calibration: float = 1.0,
          max_estimates: int | None = None, bf16_supported: bool = True,
-         allow_offload: bool = True) -> list[Candidate]:
+         allow_offload: bool = True, sharding=None) -> list[Candidate]:
     """Estimate plans for one global `batch` against `budget` bytes; the candidates, fastest first.
 
     A candidate fits when `estimate.peak_bytes * calibration <= budget * margin` (calibration: a
     factor for what the estimate misses, e.g. 1.1 for allocator fragmentation). Only the plans the
     search needed are estimated (see the module docstring); `max_estimates` caps them. When no
     plan fits, the most frugal plan is estimated all the same, so `needs_message` can say why.
+    `sharding` (autofit.estimator.sharded.Sharding; read from a model sharded with FSDP2): the plans
+    are priced for one rank, `batch` being its share of the global batch.
     """
     budget = parse_size(budget)
     precisions.check_policy(precision)  # a bad precision fails before any work
@@ -138,7 +141,13 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                                       or max_estimates < 1):
         raise ValueError(f"max_estimates must be a positive int or None but got {max_estimates!r}.")
     global_batch = batch_size(batch)
-    estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+    # A model sharded with FSDP2 (or a `sharding` to price): one rank's peak, on its `batch`.
+    sharding = sharding if sharding is not None else sharding_of(model)
+    if sharding is not None:
+        estimator = ShardedEstimator(model, batch, sharding, optimizer, loss_fn, device_type=device_type)
+        allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
+    else:
+        estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
     plans = candidate_plans(global_batch, precision, bf16_supported=bf16_supported,
                             allow_offload=allow_offload,
                             checkpointing=Checkpointing(estimator.model).available)

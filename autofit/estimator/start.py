@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 from autofit.engine.batches import batch_size, row_elements
 from autofit.estimator.capacity import choose, needs_message, rank
+from autofit.estimator.estimate import Estimator
 from autofit.errors import DoesNotFit, one_line
+from autofit.plans.applies import not_applicable
 from autofit.plans.ladder import config_of
 from autofit.engine.reading import rng_untouched
 from autofit.sizes import format_size
@@ -47,21 +49,46 @@ def longest_batch(data, first):
     return max(data, key=elements)
 
 
+def _first_whole_fitting(plans, model, batch, optimizer, loss_fn, device_type, budget):
+    """(plan, reason) for the first of `plans` predicted to fit within MARGIN of `budget`, or None."""
+    if not plans:
+        return None
+    estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+    for plan in plans:
+        peak = estimator.measure(plan).peak_bytes
+        if peak <= budget * MARGIN:
+            reason = (f"estimated: the first whole-batch plan of the ladder predicted to fit (peak "
+                      f"{format_size(peak)} of {format_size(budget)}); batch-coupled layers keep the "
+                      f"batch whole first")
+            log.info("capacity check: %s", reason)
+            return plan, reason
+    return None
+
+
 def cannot_estimate(model, error: BaseException, instead: str) -> None:
     """Say in one line that the capacity check could not estimate `model`, why, and what happens."""
     log.warning("capacity check: cannot estimate %s (%s); %s", type(model).__name__,
                 one_line(error), instead)
 
 
-def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes):
+def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes, coupling=None):
     """(plan, reason) from the capacity check, None when there is nothing to check against; the
-    sizes predicted not to fit are recorded in `sizes` (a SizeLog)."""
+    sizes predicted not to fit are recorded in `sizes` (a SizeLog). With `coupling` (a
+    plans.coupling.Coupling) that keeps the batch whole first, the start is the first whole-batch
+    plan of its ladder predicted to fit; the fastest plan of all only when none does."""
     budget = tensor_budget(device)
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
+    whole = [] if coupling is None else \
+        [p for p in coupling.whole_plans(batch_size(batch), precision, device.supports_bf16())
+         if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
+            kept = _first_whole_fitting(whole, model, batch, optimizer, loss_fn, device_type, budget)
+            if kept is not None:
+                sizes.record(kept[0], ok=True, length=row_elements(batch))
+                return kept
             candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer,
                               loss_fn=loss_fn, margin=MARGIN, device_type=device_type,
                               bf16_supported=device.supports_bf16())

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autofit.engine.attempt import Attempter, outside, until_fits
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
-from autofit.integrations.hf_recovery import rng_state, set_rng_state
 from autofit.integrations.hf_trainer import raw_optimizer
 
 
@@ -63,6 +63,7 @@ class EvalGuard:
         self.done = 0  # evaluation batches completed in the current attempt
         self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
         self.tries = 0  # tries of the current evaluation
+        self.size = 0   # its per_device_eval_batch_size
         # Nothing of the training is dropped (it goes on after the evaluation); what stays above
         # the baseline is named among the tensors that are neither the model's nor its optimizer's.
         self.attempter = Attempter(device, holders=self._holders)

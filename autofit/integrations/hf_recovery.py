@@ -9,11 +9,11 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
 
 import torch
 
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom
@@ -53,23 +53,6 @@ class Start:
         set_rng_state(self.rng)
 
 
-def rng_state() -> tuple:
-    """The global random generators the Trainer draws from: Python's, numpy's, torch's (CPU, CUDA)."""
-    return (random.getstate(), _numpy_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(state: tuple) -> None:
-    py, np_state, cpu, cuda = state
-    random.setstate(py)
-    if np_state is not None:
-        import numpy
-        numpy.random.set_state(np_state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _host(obj):
     """A deep copy with every tensor copied to host memory (load_state_dict puts them back)."""
     if isinstance(obj, torch.Tensor):
@@ -79,14 +62,6 @@ def _host(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_host(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _numpy_state():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
 
 
 def free_attempt(trainer, owns_optimizer: bool) -> None:

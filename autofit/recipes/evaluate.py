@@ -101,7 +101,7 @@ class _Evaluator:
         self.model, self.device = model, device
         self.loss_fn, self.metric_fn = loss_fn, metric_fn
         self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
-        self.count_tokens = token_counter(model) if loss_fn is None else None
+        self.count_tokens = token_counter(model, device) if loss_fn is None else None
         self.reason = first_reason
         self.attempts: list[EvalAttempt] = []
         self.output = None  # the model's output of the current forward, for metric_fn

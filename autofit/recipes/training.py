@@ -144,7 +144,8 @@ class Training:
             if self.capacity_check and self.user_ladder is None:
                 batch = longest_batch(data, first) if data is not None else first
                 estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
-                                            lockstep.estimate_view(device), precision, sizes)
+                                            lockstep.estimate_view(device), precision, sizes,
+                                            coupling=self.coupling)
                 if estimated is not None:
                     start, reason = estimated
                     return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
@@ -197,6 +198,14 @@ class Training:
                         expect_like=expect_like, progress=progress, start_batch_size=start)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
+    def explain_refusal(self, error: DoesNotFit) -> None:
+        """Say in `error` (once) that splitting was forbidden, and what the user's code kept."""
+        if self.coupling.refusal() and not getattr(error, "refusal_said", False):
+            error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
+            error.refusal_said = True
+        if self.watch is not None:
+            error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if error is None:
@@ -205,9 +214,7 @@ class Training:
                     self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
                                        self.samples)
             elif isinstance(error, DoesNotFit) and self.watch is not None:
-                if self.coupling.refusal():
-                    error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
-                error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+                self.explain_refusal(error)
         except BaseException:
             self._close()
             if not self._stack.__exit__(*sys.exc_info()):
