@@ -20,6 +20,7 @@ from autofit.engine.batches import batch_size, row_elements
 from autofit.gpu.device import _tensors, describe_tensors
 from autofit.errors import DoesNotFit, MemoryNotReleased
 from autofit.plans.ladder import SizeLog, step_down
+from autofit.plans.sizelog import Unguided
 from autofit.diagnosis.leaks import on_device_predicate
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.gpu.oom import is_oom, release, summarize
@@ -77,8 +78,10 @@ class Controller:
     def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int = 64,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None):
+                 quiet: bool = False, expire_after: int | None = None, guide=None):
         self.runner, self.ladder = runner, ladder
+        # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
+        self.guide = guide if guide is not None else Unguided()
         self.device, self.model = runner.device, runner.model
         self.sizes = sizes if sizes is not None else SizeLog()
         self.plan, self.reason = plan, reason
@@ -116,7 +119,7 @@ class Controller:
         # No probe on a run's first step: the optimizer state does not exist yet, so a size that
         # fits then proves nothing about the steps after it.
         if self.probe_up and self.attempts:
-            bigger = self.sizes.probe_up(self.plan, global_batch)
+            bigger = self.sizes.probe_up(self.plan, global_batch, guess=self.guide.largest)
             if bigger is not None and self._worth_probing(bigger):
                 self._fallback, self._fallback_reason = self.plan, self.reason
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
@@ -192,6 +195,7 @@ class Controller:
             self.sizes.record(plan, True, global_batch)
             if self._good_total:  # the run's first step made the optimizer state: it proves less
                 self.proven.record(plan, True, global_batch, length=self.sizes.length)
+                self.guide.observe(plan, peak, self.sizes.length)
             self._good_total += 1
             self.reason = "kept: fitted the previous global batch"
             self._expire()
