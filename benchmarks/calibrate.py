@@ -119,8 +119,9 @@ def cold_run(name: str, caps: str, budget: int, n: int) -> dict:
     import autofit
     logging.getLogger("autofit").setLevel(logging.ERROR)
     os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofit-calibrate-")
+    model, data = build(name), batches(name, n)  # on the host, as a DataLoader gives them
     with autofit.simulate_gpu(budget, caps=caps):
-        result = autofit.run(build(name), batches(name, n), precision="fp32", progress=False)
+        result = autofit.run(model, data, precision="fp32", progress=False)
     attempts = [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
     ok = {step: micro for step, micro, outcome in attempts if outcome == "ok"}
     return {"attempts": attempts, "ooms": sum(o == "oom" for _, _, o in attempts),
