@@ -1,6 +1,7 @@
 """autofit against the ways people make training fit today, side by side, in one run.
 
     python benchmarks/peers.py [--steps 4] [--global-batch 32] [--seq 64] [--hidden 64] [--no-injected]
+                               [--models bert,gpt2,vit,bart]
 
 Every method trains the same tiny model from the same initial weights on the same global batches,
 on the same simulated GPU (`autofit.simulate_gpu(budget)`: CPU tensors count against the budget and
@@ -29,6 +30,14 @@ Methods (each builds its model at its own start; the clock starts before that bu
   micro-batch losses weighted by label tokens (accumulate_train_batch_on_tokens=True, its best mode).
   Like Composer, the OOM is caught around the whole step, optimizer.step() included.
 - fixed batch: a plain loop at the full global batch; fails when it does not fit.
+
+Models (random init from transformers configs, dropout 0): BERT sequence classification and GPT-2
+causal LM (as the tests use), and two the repo uses nowhere else: a ViT image classifier (32x32
+images, 8x8 patches: 17 tokens) and a BART encoder-decoder (token loss over labels with padding).
+Table 2 also gives each method's peak allocated and peak *reserved* bytes: the simulated GPU runs
+every storage through its model of CUDA's caching allocator, so "reserved" is what a card's
+`torch.cuda.max_memory_reserved()` would report for the same allocations (peaks are kept across the
+resets autofit makes between attempts).
 
 All optimizers are AdamW(lr=1e-3, foreach=True) (what CUDA would run). torch.set_num_threads(1).
 """
@@ -89,6 +98,8 @@ class Run:
         self.plan = ""              # precision / checkpointing etc., or what the method changed
         self.model = None
         self.error = ""
+        self.peak_allocated = None  # the simulated GPU's peaks over the whole method
+        self.peak_reserved = None
 
 
 def counted_bytes(gpu, tensors) -> int:
@@ -120,6 +131,13 @@ class RetryProbe:
         self.ooms = self.backward_ooms = 0
         self.pending = False
         self.held_at_retry: list[tuple[int, int]] = []  # (bytes held, of which .grad)
+        self.peaks = (0, 0)  # (allocated, reserved) maxima before each reset of the GPU's peaks
+        reset = gpu.reset_peak_memory_stats
+
+        def keep_peaks_then_reset():
+            self.peaks = self.peak()
+            reset()
+        gpu.reset_peak_memory_stats = keep_peaks_then_reset
         self.works = hasattr(gpu, "_oom")
         if self.works:
             raise_oom = gpu._oom
@@ -130,6 +148,11 @@ class RetryProbe:
                 self.pending = True
                 return raise_oom(*args, **kwargs)
             gpu._oom = oom
+
+    def peak(self) -> tuple[int, int]:
+        """The most bytes allocated and reserved since the probe started."""
+        return (max(self.peaks[0], self.gpu.max_memory_allocated()),
+                max(self.peaks[1], self.gpu.max_memory_reserved()))
 
     def watch(self, model) -> None:
         def after_forward(module, args, kwargs, output):
@@ -197,6 +220,7 @@ def run_method(method, job, budget, inject_at=None, **kwargs) -> Run:
         run.device_ooms = probe.ooms if probe.works else None
         run.backward_ooms = probe.backward_ooms if probe.works else None
         run.held_at_retry, run.grads_at_retry = max(probe.held_at_retry, default=(None, None))
+        run.peak_allocated, run.peak_reserved = probe.peak()
         gpu.fail_at(None)
         del model, probe
     return run
@@ -462,6 +486,63 @@ def retaining_fault_index(job, rows_=2, run_length=4) -> tuple[int, int]:
     return found[len(found) // 2]
 
 
+# -- the models ------------------------------------------------------------------------------------
+
+def vit(hidden: int = 64, layers: int = 2, image: int = 32, patch: int = 8, labels: int = 10, seed: int = 0):
+    from transformers import ViTConfig, ViTForImageClassification
+    torch.manual_seed(seed)
+    config = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                       intermediate_size=4 * hidden, image_size=image, patch_size=patch,
+                       num_labels=labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(config)
+
+
+def image_batches(n: int, rows_: int, image: int = 32, labels: int = 10, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"pixel_values": torch.randn(rows_, 3, image, image, generator=g),
+             "labels": torch.randint(0, labels, (rows_,), generator=g)} for _ in range(n)]
+
+
+def bart(hidden: int = 64, seq: int = 64, vocab: int = 1000, seed: int = 0):
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(seed)
+    config = BartConfig(vocab_size=vocab, d_model=hidden, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2,
+                        encoder_ffn_dim=4 * hidden, decoder_ffn_dim=4 * hidden,
+                        max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                        decoder_start_token_id=2, forced_eos_token_id=None)
+    return BartForConditionalGeneration(config)
+
+
+def seq2seq_batches(n: int, rows_: int, seq: int, vocab: int = 1000, seed: int = 4) -> list[dict]:
+    """Encoder-decoder global batches: targets half as long as the sources, row r's last
+    (r % 5) * 2 target tokens padded (-100), so micro-batches must be weighted by label tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out, target = [], seq // 2
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (rows_, seq), generator=g)
+        labels = torch.randint(3, vocab, (rows_, target), generator=g)
+        for r in range(rows_):
+            pad = (r % 5) * 2
+            if pad:
+                labels[r, target - pad:] = -100
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+JOBS = {
+    "bert": lambda a: Job("BERT cls", lambda: bert(hidden=a.hidden, layers=2, seq=a.seq),
+                          cls_batches(a.steps, a.global_batch, a.seq)),
+    "gpt2": lambda a: Job("GPT-2 LM", lambda: gpt2(hidden=a.hidden, layers=2, seq=a.seq),
+                          lm_batches(a.steps, a.global_batch, a.seq)),
+    "vit": lambda a: Job("ViT image cls", lambda: vit(hidden=a.hidden),
+                         image_batches(a.steps, a.global_batch)),
+    "bart": lambda a: Job("BART seq2seq", lambda: bart(hidden=a.hidden, seq=a.seq),
+                          seq2seq_batches(a.steps, a.global_batch, a.seq)),
+}
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 METHODS = [
@@ -501,6 +582,7 @@ def run_all(job, budget, ref, largest, cache_root, inject_at=None):
             None if share is None else f"{share:.2f}",
             "-" if failed else run.effective == g,
             "failed" if failed else (f"yes ({diff:.1e})" if diff <= TOLERANCE else f"no ({diff:.1e})"),
+            mib(run.peak_allocated), mib(run.peak_reserved),
         ])
         memory.append(where + [run.device_ooms, run.backward_ooms, run.held_at_retry,
                                run.grads_at_retry, run.held, run.held_gc, run.held_grads])
@@ -510,7 +592,8 @@ def run_all(job, budget, ref, largest, cache_root, inject_at=None):
 
 
 RESULT_HEADERS = ["method", "model", "budget", "OOMs", "s to 1st step", "final micro", "plan",
-                  "share of largest", "global batch kept", "params = reference (max diff)"]
+                  "share of largest", "global batch kept", "params = reference (max diff)",
+                  "peak allocated", "peak reserved"]
 MEMORY_HEADERS = ["method", "model", "budget", "OOMs raised", "in backward", "held at retry (B)",
                   "of which .grad", "held after return (B)", "after gc.collect()", "of which .grad"]
 
@@ -522,22 +605,24 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--no-injected", action="store_true", help="skip table 4 (the injected OOM)")
+    parser.add_argument("--models", default="bert,gpt2,vit,bart",
+                        help=f"comma-separated, from {','.join(JOBS)}")
     args = parser.parse_args(argv)
     setup()
     started = time.perf_counter()
     print_environment("autofit vs peers on a simulated GPU")
-    g, seq, hidden = args.global_batch, args.seq, args.hidden
-    jobs = [
-        Job("BERT cls", lambda: bert(hidden=hidden, layers=2, seq=seq),
-            cls_batches(args.steps, g, seq)),
-        Job("GPT-2 LM", lambda: gpt2(hidden=hidden, layers=2, seq=seq),
-            lm_batches(args.steps, g, seq)),
-    ]
+    g = args.global_batch
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in JOBS]
+    if unknown or not names:
+        parser.error(f"--models takes names from {','.join(JOBS)} but got {args.models!r}")
+    jobs = [JOBS[n](args) for n in names]
     for job in jobs:  # warm up imports and kernels outside any clock
         job.build()
-    print(f"models: BertForSequenceClassification and GPT2LMHeadModel, hidden {hidden}, 2 layers, "
-          f"seq {seq}, vocab 1000, random init, dropout 0; global batch {g}, {args.steps} global "
-          f"batches per method; AdamW(lr=1e-3, foreach=True); torch.set_num_threads(1)\n")
+    print(f"models: {', '.join(j.name for j in jobs)}; hidden {args.hidden}, 2 layers (BART: 1 "
+          f"encoder + 1 decoder), seq {args.seq}, vocab 1000, random init, dropout 0; global batch "
+          f"{g}, {args.steps} global batches per method; AdamW(lr=1e-3, foreach=True); "
+          f"torch.set_num_threads(1)\n")
 
     with tempfile.TemporaryDirectory(prefix="autofit-peers-") as cache_root:
         tables = measure_all(jobs, args, cache_root)

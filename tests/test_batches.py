@@ -1,5 +1,6 @@
 import collections
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,24 +130,42 @@ LABELS = torch.tensor([
 ])
 
 
-class FakeForMaskedLM(torch.nn.Module):
-    pass
+class TokenModel(torch.nn.Module):
+    """A tiny per-token model with its own loss; `shift` predicts the next token, as a causal LM does."""
+    shift = False
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.embed(input_ids))
+        if self.shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1)))
 
 
-class FakeForCausalLM(torch.nn.Module):
-    pass
+class NextTokenDecoder(TokenModel):
+    """A causal LM by what its loss does; its class name does not say so."""
+    shift = True
+
+
+class TaggerForCausalLM(TokenModel):
+    """Named like a causal LM, but its loss predicts every label in place (no shift)."""
 
 
 def test_token_weights_of_a_token_level_loss():
     batch = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "labels": LABELS}
-    count = token_counter(FakeForMaskedLM())
+    count = token_counter(TaggerForCausalLM())
     assert count(batch) == 10
     assert weights(batch, split(batch, 2), count) == [5 / 10, 5 / 10]
     assert weights(batch, split(batch, 3), count) == [6 / 10, 4 / 10]
     assert weights(batch, split(batch, 1), count) == [2 / 10, 3 / 10, 1 / 10, 4 / 10]
 
 
-@pytest.mark.parametrize("model", [FakeForCausalLM(), tiny_gpt2()], ids=["ForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("model", [NextTokenDecoder(), tiny_gpt2()], ids=["NextTokenDecoder", "GPT2LMHeadModel"])
 def test_causal_lm_token_weights_skip_the_first_label(model):
     batch = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "labels": LABELS}
     count = token_counter(model)
@@ -162,7 +181,7 @@ def test_causal_lm_token_weights_skip_the_first_label(model):
     (rows(4), LABELS),                                                 # not a dict: labels unknown
 ])
 def test_row_weights_when_the_loss_is_not_per_token(batch):
-    count = token_counter(FakeForCausalLM())
+    count = token_counter(NextTokenDecoder())
     assert count(batch) is None
     assert weights(batch, split(batch, 3), count) == [0.75, 0.25]
 
@@ -170,10 +189,10 @@ def test_row_weights_when_the_loss_is_not_per_token(batch):
 def test_a_batch_without_label_tokens_is_refused():
     batch = {"input_ids": rows(2, 4), "labels": torch.full((2, 4), IGNORE_INDEX)}
     with pytest.raises(ValueError, match=re.escape("the batch has no label token to learn from (every label is -100)")):
-        weights(batch, split(batch, 1), token_counter(FakeForMaskedLM()))
+        weights(batch, split(batch, 1), token_counter(TaggerForCausalLM()))
     one_token = {"input_ids": rows(2, 4), "labels": torch.tensor([[3, -100, -100, -100], [-100] * 4])}
     with pytest.raises(ValueError, match="no label token"):  # after the shift nothing is left
-        weights(one_token, split(one_token, 1), token_counter(FakeForCausalLM()))
+        weights(one_token, split(one_token, 1), token_counter(NextTokenDecoder()))
 
 
 # -- the weighted micro-batch losses are the full-batch loss -------------------------------------
@@ -189,16 +208,24 @@ def tiny_xlnet():
                                         bos_token_id=99, eos_token_id=99, pad_token_id=98))
 
 
+def padded_tokens(rows=5, seq=8):
+    batch = {"input_ids": torch.randint(0, 16, (rows, seq), generator=torch.Generator().manual_seed(3))}
+    batch["labels"] = batch["input_ids"].clone()
+    for r in range(rows):
+        batch["labels"][r, seq - r:] = IGNORE_INDEX
+    return batch
+
+
 @pytest.mark.parametrize("make_model, make_batch", [
     (tiny_gpt2, lambda: gpt2_batch(rows=5, seq=8)),
     (tiny_bert, lambda: bert_batch(rows=5, seq=8)),
     (tiny_xlnet, lambda: gpt2_batch(rows=5, seq=8)),
-], ids=["gpt2", "bert", "xlnet"])
+    (NextTokenDecoder, padded_tokens),
+    (TaggerForCausalLM, padded_tokens),
+], ids=["gpt2", "bert", "xlnet", "NextTokenDecoder", "TaggerForCausalLM"])
 def test_weighted_micro_batch_losses_equal_the_full_batch_loss(make_model, make_batch):
-    # BUG for xlnet (autofit/engine/batches.py:85-87): _is_causal_lm treats every class name ending in
-    # "LMHeadModel" as shifting its labels, but XLNetLMHeadModel (and XLMWithLMHeadModel,
-    # FlaubertWithLMHeadModel) compute cross-entropy on unshifted labels, so the first label counts
-    # and the weights are wrong: here the combined loss is off by ~5e-4.
+    # XLNetLMHeadModel and TaggerForCausalLM are named like causal LMs but do not shift their
+    # labels; NextTokenDecoder shifts them without saying so in its name: the model's loss tells.
     model = make_model().eval()
     batch = make_batch()
     count = token_counter(model)
@@ -208,13 +235,58 @@ def test_weighted_micro_batch_losses_equal_the_full_batch_loss(make_model, make_
         assert abs(float(weighted_loss(model, batch, 1, count)) - float(full)) <= 1e-6
 
 
+@pytest.mark.parametrize("make_model, shifts", [
+    (NextTokenDecoder, True), (TaggerForCausalLM, False), (tiny_gpt2, True), (tiny_xlnet, False)])
+def test_the_model_says_whether_it_shifts_its_labels_once_leaving_it_as_it_was(make_model, shifts):
+    from autofit.engine.token_loss import shifts_labels
+    model = make_model().train()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append("hook"))  # the user's hooks see training only
+    forward = model.forward
+    model.forward = lambda **kw: calls.append(kw["labels"].shape) or forward(**kw)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    batch = padded_tokens() if make_model in (NextTokenDecoder, TaggerForCausalLM) else gpt2_batch(rows=5, seq=8)
+    assert shifts_labels(model, batch) is shifts and shifts_labels(model, batch) is shifts
+    assert calls == [torch.Size([1, 8])] * 3  # one row, three forwards, asked once
+    assert model.training and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("make_model, why", [(NextTokenDecoder, "label tokens (not -100, shifted)"),
+                                             (TaggerForCausalLM, "label tokens (not -100, unshifted)")])
+def test_training_and_evaluation_weigh_by_the_tokens_the_model_counts(make_model, why):
+    import autofit
+    from autofit.gpu.device import CpuDevice
+    from autofit.engine.token_loss import loss_weighting
+    batch = padded_tokens()
+    model = make_model()
+    weighting = loss_weighting(model, batch, None, CpuDevice())
+    assert weighting.why == why and weighting.count(batch) == (25 if make_model is NextTokenDecoder else 30)
+    with torch.no_grad():
+        full = float(model(**batch).loss)
+    evaluated = autofit.evaluate(make_model(), [batch], batch_size=2)
+    assert evaluated.weight == weighting.count(batch) and abs(evaluated.loss - full) <= 1e-6
+
+
+class LabelBlind(TokenModel):
+    def forward(self, input_ids, labels):
+        return SimpleNamespace(loss=self.head(self.embed(input_ids)).mean())
+
+
+def test_a_loss_that_does_not_follow_its_labels_counts_every_label():
+    from autofit.engine.token_loss import shifts_labels
+    assert shifts_labels(LabelBlind(), padded_tokens()) is False
+    assert token_counter(LabelBlind())(padded_tokens()) == 8 + 7 + 6 + 5 + 4
+    assert token_counter(torch.nn.Linear(2, 2))(padded_tokens()) == 30  # no such forward: not shifted
+
+
 def test_the_causal_shift_matters_for_gpt2():
     # The check above can fail: counting GPT-2's first label (no shift) or weighting by rows is wrong.
     model = tiny_gpt2().eval()
     batch = gpt2_batch(rows=5, seq=8)
     with torch.no_grad():
         full = float(model(**batch).loss)
-        unshifted = float(weighted_loss(model, batch, 2, token_counter(FakeForMaskedLM())))
+        unshifted = float(weighted_loss(model, batch, 2, token_counter(TaggerForCausalLM())))
         by_rows = float(weighted_loss(model, batch, 2, None))
     assert abs(unshifted - full) > 1e-4 and abs(by_rows - full) > 1e-4
 

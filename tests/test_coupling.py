@@ -116,6 +116,61 @@ def test_forbidding_splits_keeps_batches_whole_or_says_why_not():
         autofit.run(model, batches, loss_fn=loss_fn, allow_split="no")
 
 
+def test_the_stepper_forbids_splits_as_run_does():
+    batches = images(n=2)
+    model = cnn()
+    handle = fits_rows(model, 8)
+    with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="fp32", allow_split=False) as step:
+        with pytest.raises(autofit.DoesNotFit, match=re.escape(
+                "splitting the global batch is forbidden (allow_split=False) and no whole-batch plan fits")) as error:
+            step(batches[0])
+    assert [(a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer) for a in error.value.attempts] \
+        == [(16, False, False), (16, True, False), (16, True, True)]
+    handle.remove()
+    fits_rows(model, 16)
+    with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="fp32", allow_split=False,
+                         ladder=lambda p: p.with_micro_batch(4, p.global_batch)) as step:
+        step.load_state_dict({"version": 1, "plan": Plan.for_batch(16, 4).to_dict(), "sizes": SizeLog().to_json()})
+        assert [step(b).plan.micro_batch_size for b in batches] == [16, 16]  # the resumed split made whole
+        step.load_state_dict({"version": 1, "plan": Plan.for_batch(16, 8).to_dict(), "sizes": SizeLog().to_json()})
+        assert step(batches[0]).plan.micro_batch_size == 16
+    with pytest.raises(TypeError, match=re.escape("allow_split must be True or False but got 'no'.")):
+        with autofit.stepper(model, sgd, loss_fn=loss_fn, allow_split="no"):
+            pass
+
+
+def wide_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(8 * 12 * 12, 3)))
+
+
+def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
+    """Estimated peaks (fp32, 16 rows): whole 539.5 KiB, whole with checkpointing 448 KiB, micro 8
+    322 KiB; 90% of the budget is 492 KiB. The fastest fitting plan splits (micro 8 x 2); the
+    ladder would reach whole-batch checkpointing first, so the run starts there and never splits."""
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 3, (16,), generator=g)}
+               for _ in range(2)]
+    model = wide_cnn()
+    torch.manual_seed(1234)
+    result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, budget=560_000, precision="fp32",
+                         progress=False, cache=False)
+    assert attempts(result) == [(0, 16, True, False, "ok"), (1, 16, True, False, "ok")]
+    assert result.attempts[0].reason == (
+        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 448.00 KiB of "
+        "546.88 KiB); batch-coupled layers keep the batch whole first")
+    assert_same_state(model, plain_loop(wide_cnn(), batches, [16, 16]))
+    coupling = Coupling(wide_cnn())
+    assert [(p.micro_batch_size, p.precision, p.checkpointing, p.offload_optimizer)
+            for p in coupling.whole_plans(16, "auto", True)] == [
+        (16, "fp32", False, False), (16, "bf16", False, False), (16, "bf16", True, False), (16, "bf16", True, True)]
+    assert Coupling(nn.Linear(2, 2)).whole_plans(16, "fp32", True) == []
+    assert len(Coupling(nn.Linear(2, 2), allow_split=False).whole_plans(16, "fp32", True)) == 3
+
+
 def walk(ladder, plan):
     seen = [plan]
     while (plan := ladder(plan)) is not None:

@@ -366,3 +366,27 @@ def test_record_is_the_eval_history_entry():
     result = EvalResult(loss=0.5, samples=10, batch_size=4,
                         attempts=[EvalAttempt(4, "ok", "start")], metrics={"accuracy": 0.75})
     assert result.record(2) == {"epoch": 2, "loss": 0.5, "samples": 10, "batch_size": 4, "accuracy": 0.75}
+
+
+def test_an_output_kept_past_a_failed_evaluation_batch_is_named_with_its_bytes():
+    # The evaluation's attempts go through engine.attempt: after the release, memory must be back at
+    # the baseline; what stays is named among the inference tensors (the training state is not).
+    kept = []
+
+    def keeping_loss(model, batch):
+        out = model(**batch)
+        kept.append(out.logits)  # an output stored in a list, outliving its batch
+        if len(batch["labels"]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return out.loss
+
+    model = tiny_bert()
+    with autofit.simulate_gpu() as gpu, open_device() as device:
+        device.place_model(model)
+        with pytest.raises(autofit.MemoryNotReleased) as info:
+            evaluate(model, [bert_batch(4)], device=device, loss_fn=keeping_loss)
+        assert str(info.value).startswith("after an out-of-memory attempt 512 bytes stayed allocated above the "
+                                          "pre-attempt baseline, held by 1 tensor(s), 512 bytes: float32[4, 2]")
+        kept.clear()
+        result = evaluate(model, [bert_batch(4)], device=device, loss_fn=lambda m, b: m(**b).loss)
+    assert sizes(result.attempts) == [(4, "ok", 0)]

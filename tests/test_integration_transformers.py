@@ -221,6 +221,26 @@ def test_oom_before_any_checkpoint_restarts_from_the_initial_weights(tmp_path):
     assert max_diff(params(trainer), params(ref)) <= 1e-6  # two steps were not applied twice
 
 
+def test_the_trainers_ladder_is_given_the_rows_per_step_as_the_global_batch(tmp_path, monkeypatch):
+    from autofit.integrations import transformers as integration
+    given, real = [], integration._ladder
+
+    class Recording(autofit.plans.ladder.Move):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def take(self, plan, global_batch=None):
+            given.append((plan.micro_batch_size, plan.accumulation_steps, global_batch))
+            return self.inner.take(plan, global_batch)
+
+    monkeypatch.setattr(integration, "_ladder", lambda *args: Recording(real(*args)))
+    with autofit.simulate_gpu("8MiB") as gpu:
+        trainer = make(tmp_path, "run", save="no", max_steps=2, callbacks=[FailAt(gpu, 1)])
+        run = train(trainer)
+    assert shape(run.attempts) == [(32, 1, "fp32", False, "oom", 1), (16, 2, "fp32", False, "ok", 2)]
+    assert given == [(32, 1, 32)]
+
+
 def test_ladder_goes_to_bf16_below_eight_rows_per_micro_batch(tmp_path):
     with autofit.simulate_gpu("8MiB") as gpu:
         trainer = make(tmp_path, "run", per=8, accum=1, max_steps=3, callbacks=[FailAt(gpu, 1)])

@@ -1,5 +1,8 @@
 """replay.StartState, reading.Epochs/rng_untouched and optimizers.needs_closure, unit by unit."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -26,13 +29,14 @@ def test_a_replay_draws_the_same_random_numbers_and_sees_the_same_buffers_and_gr
     start = StartState(model, opt, CpuDevice())
     start.capture(torch.zeros(2))
     start.begin()
-    first = torch.rand(3)
+    first = (torch.rand(3), random.random(), np.random.rand(2))
     model(torch.randn(4, 3))
     opt.param_groups[0]["count"] += 1
     opt.param_groups[0]["extra"] = True
     assert model.bn.num_batches_tracked.item() == 1
     start.begin()  # a replay
-    assert torch.equal(torch.rand(3), first)
+    assert torch.equal(torch.rand(3), first[0])
+    assert random.random() == first[1] and np.array_equal(np.random.rand(2), first[2])
     assert torch.equal(model.bn.running_mean, torch.zeros(3))  # written without a _version bump
     assert model.bn.num_batches_tracked.item() == 0
     assert opt.param_groups[0]["count"] == 1 and "extra" not in opt.param_groups[0]
@@ -123,14 +127,19 @@ def test_rng_untouched_restores_the_global_rng_and_the_loaders_generators():
     g = torch.Generator().manual_seed(7)
     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=5, shuffle=True, generator=g)
     torch.manual_seed(3)
-    expected = torch.rand(2)
+    random.seed(3)
+    np.random.seed(3)
+    expected = (torch.rand(2), random.random(), np.random.rand(2))
     expected_order = next(iter(torch.utils.data.DataLoader(
         list(range(10)), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7))))
     torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
     with rng_untouched(loader):
         next(iter(loader))
-        torch.rand(5)
-    assert torch.equal(torch.rand(2), expected)
+        torch.rand(5), random.random(), np.random.rand(5)
+    assert torch.equal(torch.rand(2), expected[0])
+    assert random.random() == expected[1] and np.array_equal(np.random.rand(2), expected[2])
     assert torch.equal(next(iter(loader)), expected_order)
 
 

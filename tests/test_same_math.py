@@ -3,7 +3,9 @@ parameters and buffers are bit-identical to a plain loop using each global batch
 (dropout, a shuffled DataLoader with workers, BatchNorm, every torch optimizer, a subclass)."""
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -143,6 +145,69 @@ def test_no_oom_trains_in_the_plain_loops_order_with_the_capacity_check():
         plain_loop(reference, loader, [8] * 3, optimizer=opt)
         list(eval_loader)  # a plain loop's evaluation reads the eval loader once per epoch
     assert_same(model, reference)
+
+
+# -- a model that draws from Python's `random` and numpy's global generator ------------------------
+
+class LayerDrop(torch.nn.Module):
+    """Layer-drop written with `random.random()` and input noise from `np.random`, as people write
+    them: a replay must draw the same numbers as the failed attempt did."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(4))
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        noise = np.random.normal(0.0, 0.5, size=tuple(x.shape)).astype("float32")
+        x = x + torch.from_numpy(noise)
+        for layer in self.layers:
+            if not self.training or random.random() >= 0.5:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def layer_drop():
+    torch.manual_seed(0)
+    return LayerDrop()
+
+
+def seeded(seed=5):
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def test_a_replay_draws_pythons_and_numpys_random_numbers_again():
+    """An OOM in step 1's forward and in its backward, and a budget so the capacity check traces the
+    forward (its Python code draws too) before the first step: the plain loop's parameters, bit for bit."""
+    batches = mlp_batches(n=3, rows=8)
+
+    def train(model, gpu):
+        seeded()
+        return autofit.run(model, batches, loss_fn=mlp_loss, optimizer=sgd, precision="fp32",
+                           progress=False, cache=False, ladder=halve)
+
+    def matches(model, result):
+        reference = layer_drop()
+        seeded()
+        plain_loop_fn(reference, batches, splits(result), mlp_loss, sgd(reference.parameters()))
+        assert_same(model, reference)
+
+    for phase in ("forward", "backward"):
+        model, result = faulted(layer_drop, train, 1, phase)
+        assert [(a.step, a.outcome) for a in result.attempts if a.outcome == "oom"] == [(1, "oom")]
+        assert splits(result) == [8, 4, 6]  # halved, then probed up
+        matches(model, result)
+    model = layer_drop()
+    seeded()
+    result = autofit.run(model, batches, loss_fn=mlp_loss, optimizer=sgd, budget="1GiB", precision="fp32",
+                         progress=False, cache=False)
+    assert result.attempts[0].reason.startswith("estimated")
+    matches(model, result)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 # -- every torch optimizer, and a subclass ---------------------------------------------------------

@@ -70,6 +70,10 @@ def test_views_and_in_place_ops_on_tensors_made_outside_are_not_counted():
         assert gpu.memory_allocated() == 4096
         assert gpu.holds(result)
         assert gpu.allocation_count == 1
+        # ops whose schema does not say they alias (the `unsafe` ones) are still seen to
+        unsafe = [torch.ops.aten._unsafe_view(outside, [10, 100]), *torch.ops.aten.unsafe_split(outside, 500)]
+        assert gpu.memory_allocated() == 4096 and gpu.allocation_count == 1
+        assert not any(gpu.holds(v) for v in unsafe)
 
 
 def test_freeing_peak_and_reset_peak():

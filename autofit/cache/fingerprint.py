@@ -106,12 +106,15 @@ _BYTES_HINT = "pass bytes, e.g. autofit.parse_size('2GiB')"
 
 
 def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: str,
-            device_name: str, device_total: int | None, budget: int | None) -> tuple[str, dict]:
+            device_name: str, device_total: int | None, budget: int | None,
+            parallel: dict | None = None) -> tuple[str, dict]:
     """(SHA-256 hex key, the JSON-serializable fields it hashes) for one training job on one device.
 
     `device_name` is the GPU name or "simulated"; `device_total` its total bytes (None when
     unknown); `budget` the bytes allowed (None: no budget). Versions of torch and autofit are
-    included so an upgrade never reuses a plan measured under other code.
+    included so an upgrade never reuses a plan measured under other code. `parallel` (under
+    torch.distributed: {"world": ranks, "sharding": "replicated" | "fsdp2", "units": [...]}) keeps a
+    plan of one world size or sharding from being read by another; a single process has none.
     """
     fields = {
         "model": model_fingerprint(model),
@@ -131,4 +134,9 @@ def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: 
         "torch": str(torch.__version__),
         "autofit": autofit_version(),
     }
+    if parallel is not None:
+        if not isinstance(parallel, dict) or not isinstance(parallel.get("world"), int):
+            raise TypeError(f"parallel must be a dict with an int 'world' but got {parallel!r}; pass "
+                            f"None for a single process.")
+        fields["parallel"] = parallel
     return _digest(fields), fields

@@ -38,7 +38,8 @@ class Memo:
         self.key, self.fields = job_key(
             model=model, batch=batch, optimizer_name=type(optimizer).__name__,
             global_batch=global_batch, precision=precision, device_name=device.name,
-            device_total=getattr(device, "total_bytes", None), budget=device.budget)
+            device_total=getattr(device, "total_bytes", None), budget=device.budget,
+            parallel=getattr(device, "parallel", None))
         self.global_batch = global_batch
         self.precision = precision
         try:

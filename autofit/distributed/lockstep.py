@@ -1,5 +1,7 @@
 """torch.distributed in lockstep: every rank runs the same plan at the same global batch, and none
-can be left waiting in a collective.
+can be left waiting in a collective. (Over 300 lines for this docstring: the protocol every rank
+keeps is written down once, here; the code is split into agreement, data, decide, replicas, runner
+and fsdp.)
 
 The danger is any collective that one rank reaches and another does not: DDP's gradient all-reduce
 inside backward (a rank that runs out of memory in forward never reaches it), the broadcasts of
@@ -40,10 +42,10 @@ Data comes in one of two ways, told apart at the first agreement (each rank repo
 loader has a `DistributedSampler` and a hash of its first batch):
 - **per rank** (a `DistributedSampler`, or first batches that differ, as torchrun jobs usually give
   it): each rank's batch is its share of the global batch, which is the ranks' batches together.
-  Each micro-batch is weighted within its rank's batch, and at the agreement after backward each
-  rank's gradients are scaled by its share of the global batch (its rows, or label tokens, over all
-  ranks') before the sum. When autofit drives the epochs it calls `sampler.set_epoch(epoch)` before
-  each one, as a plain DDP loop must.
+  Before each global batch the ranks agree on their shares' rows and label tokens, and each
+  micro-batch is weighted by its share of the whole (so a rank whose share has no label token
+  trains nothing, without error, and history counts the global batch's rows). When autofit drives
+  the epochs it calls `sampler.set_epoch(epoch)` before each one, as a plain DDP loop must.
 - **the same global batches on every rank** (equal first batches, or a map-style Dataset that
   autofit batches): each rank takes rows [r*n/W, (r+1)*n/W) and weights each micro-batch by its
   share of the *global* batch (rows, or label tokens counted on the global batch), so token
@@ -55,6 +57,19 @@ reason.
 
 Layers that communicate inside forward (SyncBatchNorm) are refused: a rank that failed before
 reaching one would leave the others waiting in it.
+
+A model sharded with FSDP2's `fully_shard` (or by `shard=True`, autofit.distributed.fsdp) is trained
+as it is: its parameters stay each rank's shards, FSDP gathers them per unit in forward and
+backward and reduce-scatters the gradients (summed: autofit weights the micro-batches) in the
+last micro-batch's backward, with gradient sync off before it. FSDP's collectives cannot sit
+after one agreement per attempt, so there is one more in front of each of them that a failed rank
+could miss: before each unit's gather in forward (room for the gathered parameters is made first,
+so the gather itself cannot run out of memory) and when backward reaches the model's outputs. A
+rank that failed meets the others there at its own agreement after backward, and every rank drops
+the attempt; FSDP's state is put back to sharded and idle. Still open: a failure inside backward on
+one rank (the others wait in FSDP's next gather or reduce-scatter until the process-group timeout).
+The agreements of a sharded run use a gloo group of their own, so they never trade data with
+FSDP's collectives.
 
 Rank 0 decides where the run starts (the cached plan, else the capacity check against the smallest
 budget of all ranks) and sends the decision to the others; only rank 0 reads and writes the plan
@@ -71,73 +86,49 @@ does leaves the others waiting at the first agreement until the process group's 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import math
 import zlib
 
 import torch
 
-from autofit.engine.batches import _fields, slice_batch, weights
+from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement
+from autofit.distributed.decide import Deciding
+from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
+from autofit.distributed.data import content_hash, eval_share
+from autofit.distributed.fsdp import Sharded, is_sharded
+from autofit.distributed.replicas import Replicas
+from autofit.engine.batches import slice_batch
 from autofit.engine.batches import batch_size as rows_of
-from autofit.errors import DoesNotFit, LockstepError, PeerOutOfMemory, RankFailed
-from autofit.plans.ladder import SizeLog, config_of
-from autofit.gpu.oom import is_oom, summarize
+from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed  # noqa: F401 (also their old home)
 from autofit.plans.plan import Plan
-from autofit.engine.step import StepRunner
 
-OK, OOM, ERROR = 0, 1, 2
-HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE = range(8)
-PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
-          "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
-          "in evaluation")
-ITERABLE, SAMPLED, DATASET = range(3)  # how a rank's data came: batches, a DistributedSampler, a Dataset
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the
 # others waiting in it, and no agreement can come first.
 COLLECTIVE_LAYERS = (torch.nn.SyncBatchNorm, torch.nn.parallel.DistributedDataParallel)
-FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
-MESSAGE_BYTES = 1024
 
 
 def is_distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def open_lockstep(model) -> "Lockstep | None":
-    """The lockstep of this run, or None when torch.distributed is not initialised."""
+def open_lockstep(model, *, shard: bool = False) -> "Lockstep | None":
+    """The lockstep of this run, or None when torch.distributed is not initialised. `shard`: the
+    run will apply fully_shard (autofit.distributed.fsdp) before training."""
     ddp = model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
     if not is_distributed():
         if ddp is not None:
             raise ValueError("model is a DistributedDataParallel but torch.distributed is not "
                              "initialised; call torch.distributed.init_process_group first.")
+        if shard or is_sharded(model):
+            raise ValueError(f"{'shard=True' if shard else 'a model sharded with fully_shard'} needs "
+                             f"torch.distributed; call torch.distributed.init_process_group first "
+                             f"(torchrun), or pass shard=False.")
         return None
-    return Lockstep(model, ddp)
-
-
-def distributed_sampler(data):
-    """The `DistributedSampler` a DataLoader draws from (its sampler or its batch sampler's), or None."""
-    from torch.utils.data.distributed import DistributedSampler
-    for sampler in (getattr(data, "sampler", None),
-                    getattr(getattr(data, "batch_sampler", None), "sampler", None)):
-        if isinstance(sampler, DistributedSampler):
-            return sampler
-    return None
-
-
-def content_hash(batch) -> int:
-    """A crc32 of a batch's content (every tensor's dtype, shape and bytes; other leaves' repr), to
-    tell whether the ranks were given the same batch."""
-    crc = 0
-    for path, value in _fields(batch):
-        crc = zlib.crc32(path.encode(), crc)
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
-            crc = zlib.crc32(t.view(-1).view(torch.uint8).numpy().tobytes(), crc)
-        else:
-            crc = zlib.crc32(repr(value).encode(), crc)
-    return crc
+    if ddp is not None and shard:
+        raise ValueError("shard=True with a DistributedDataParallel model: pass the plain module "
+                         "(autofit shards it) or the DDP with shard=False.")
+    return Lockstep(model, ddp, sharded=shard or is_sharded(model))
 
 
 def refuse_collective_layers(module) -> None:
@@ -153,106 +144,19 @@ def refuse_collective_layers(module) -> None:
                 f"wrapper.")
 
 
-def plan_hash(plan: Plan | None) -> int:
-    """A 32-bit hash of a plan (exact in the float64 header); 0 for no plan."""
-    if plan is None:
-        return 0
-    return zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode()) + 1
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {summarize(error)}"
-
-
-class Verdict:
-    """What every rank reported at one agreement; each rank reads the same table."""
-
-    def __init__(self, rank: int, phase: int, rows: list[list[float]], messages: list[str] | None,
-                 n_fields: int):
-        self.rank, self.phase, self.messages = rank, phase, messages
-        self.headers = [dict(zip(FIELDS, row[:n_fields])) for row in rows]
-        self.masks = [row[n_fields:] for row in rows]
-        codes = [int(h["code"]) for h in self.headers]
-        self.errors = [r for r, c in enumerate(codes) if c == ERROR]
-        self.ooms = [r for r, c in enumerate(codes) if c == OOM]
-        self.own = codes[rank]
-        self.mismatch = self._mismatch()
-
-    def _mismatch(self) -> str | None:
-        alive = [(r, h) for r, h in enumerate(self.headers) if int(h["code"]) != ERROR]
-        if len({h["model"] for _, h in alive}) > 1:
-            groups = {}
-            for r, h in alive:
-                groups.setdefault(int(h["model"]), []).append(str(r))
-            shown = "; ".join(f"ranks {', '.join(g)}: {m:08x}" for m, g in groups.items())
-            return (f"the ranks' models differ (hashes of their parameters' and buffers' names, shapes "
-                    f"and dtypes: {shown}); give every rank the same model.")
-        if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
-            return None
-        where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
-                          f"{', plan hash %d' % int(h['plan']) if h['plan'] else ''}" for r, h in alive)
-        return (f"the ranks are out of step: {where}. Give every rank the same global batches (the "
-                f"same number of them, each divisible by the world size) and the same model, "
-                f"optimizer and ladder.")
-
-    @property
-    def terminal(self) -> bool:
-        return bool(self.errors) or self.mismatch is not None
-
-    def keeps_own(self) -> bool:
-        """Whether this rank re-raises its own failure: a non-OOM error always; an OOM unless the run
-        must stop for another reason."""
-        return self.own == ERROR or (self.own == OOM and not self.terminal)
-
-    def raise_for_peers(self) -> None:
-        """Raise what the other ranks' outcomes mean for this rank (nothing when all succeeded)."""
-        if self.errors:
-            r = self.errors[0]
-            text = self.messages[r] if self.messages else "an error"
-            where = PHASES[int(self.headers[r]["phase"])]
-            raise RankFailed(f"rank {r} failed with {text} ({where}); every rank stops, "
-                             f"this is rank {self.rank}. The error and its traceback are in rank {r}'s "
-                             f"output.", rank=r, error=text)
-        if self.mismatch is not None:
-            raise LockstepError(self.mismatch)
-        if self.ooms:
-            shown = "; ".join(f"rank {r}: {self.messages[r]}" for r in self.ooms)
-            raise PeerOutOfMemory(f"out of memory on another rank ({shown}); every rank drops this "
-                                  f"attempt")
-
-    def values(self, name: str = "value") -> list[float]:
-        return [h[name] for h in self.headers]
-
-    def any_flag(self) -> bool:
-        return any(h["flag"] for h in self.headers)
-
-
-class _View:
-    """A device as seen by the capacity check or the cache key: the agreed budget, the world size."""
-
-    def __init__(self, device, budget: int | None, name: str | None = None):
-        self._device = device
-        self.budget = budget
-        self.name = name or device.name
-
-    def __getattr__(self, name):
-        return getattr(self._device, name)
-
-
-class Lockstep:
+class Lockstep(Deciding, Agreement):
     """The agreement between the ranks of one run; see the module's docstring."""
 
-    def __init__(self, model, ddp=None):
+    def __init__(self, model, ddp=None, *, sharded: bool = False):
         dist = torch.distributed
         self.group = ddp.process_group if ddp is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.agreement_group = self._cpu_group()
+        self.agreement_group = self._cpu_group(separate=sharded)
         self.user_ddp = ddp
         self.module = ddp.module if ddp is not None else model
         if not isinstance(self.module, torch.nn.Module):  # run refuses it, inside the lockstep's scope
             self.module = torch.nn.Module()
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
         # Headers carry one entry per parameter only once every rank is known to have the same model.
         self.model_hash = zlib.crc32(repr([(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in
                                            itertools.chain(self.module.named_parameters(),
@@ -260,106 +164,35 @@ class Lockstep:
         self.met = False
         self.step = -1
         self.global_batch = None
-        self.settled = False     # the other ranks know how this rank's run ends: no farewell
+        self.global_rows = 0       # rows of the last global batch, over all ranks
+        self.global_count = None   # its rows or label tokens over all ranks (per-rank data)
         self.per_rank = False    # each rank's batch is its share of the global batch
+        self.sharded = None      # autofit.distributed.fsdp.Sharded for a fully_shard model, from hello
+        self.attempt_plan = None      # the plan of the attempt under way (its agreements carry it)
+        self.attempt_agreed = False   # a guard inside forward held the attempt's agreement
         self.sampler = None      # the DistributedSampler of per-rank data, stepped each epoch
         # DDP's broadcast_buffers: on unless the user's own DDP turned it off.
-        self.sync_buffers = ddp is None or bool(getattr(ddp, "broadcast_buffers", True))
-        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.buffers = [b for name, b in self.module.named_buffers() if name not in ignored]
+        sync_buffers = ddp is None or bool(getattr(ddp, "broadcast_buffers", True))
+        self.replicas = Replicas(self.module, self.group, self._global(0), sync_buffers)
         self.budget = self.cache_budget = None
         self.limits: list[int | None] = []  # each rank's budget for tensors
 
-    def _cpu_group(self):
-        dist = torch.distributed
-        backend = str(dist.get_backend(self.group))
-        if "gloo" in backend:
-            return self.group
-        if self.world != dist.get_world_size():
-            raise ValueError(f"the DDP process group is a {backend} subgroup; autofit's agreement needs "
-                             f"gloo on it. Initialise with backend='cpu:gloo,cuda:nccl' or use the "
-                             f"whole world.")
-        return dist.new_group(backend="gloo")
-
-    # -- agreements ----------------------------------------------------------------------------
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(self.world)]
-        try:
-            torch.distributed.all_gather(out, tensor, group=self.agreement_group)
-        except Exception as error:
-            self.settled = True  # the collective itself is broken: a farewell would wait for nothing
-            raise LockstepError(f"the agreement between ranks failed on rank {self.rank}: "
-                                f"{_describe(error)}; another rank has probably died or timed "
-                                f"out.") from error
-        return out
-
-    def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
-                 value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
-                 mask: list[float] | None = None, host=contextlib.nullcontext) -> Verdict:
-        """One agreement. Call it outside any `except` block (an error raised here must not look
-        like it was raised while handling an OOM)."""
-        code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
-        n = len(FIELDS)
-        with host():  # tiny CPU tensors that must never count against a simulated budget
-            header = torch.zeros(n + (len(self.params) if self.met else 0), dtype=torch.float64)
-            header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag), self.model_hash], dtype=torch.float64)
-            if mask is not None and self.met:
-                header[n:] = torch.tensor(mask, dtype=torch.float64)
-            rows = [t.tolist() for t in self._all_gather(header)]
-            messages = None
-            if any(int(row[0]) != OK for row in rows):
-                text = b"" if failure is None else _describe(failure).encode()[:MESSAGE_BYTES]
-                buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-                buffer[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-                messages = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
-                            for t in self._all_gather(buffer)]
-        verdict = Verdict(self.rank, phase, rows, messages, n)
-        if verdict.terminal:
-            self.settled = True
-        return verdict
-
-    def agree(self, phase: int, failure: BaseException | None = None, **fields) -> Verdict:
-        """An agreement after which this rank raises what it must: its own failure, or what the
-        others' outcomes mean. Returns the verdict when every rank succeeded."""
-        verdict = self.exchange(phase, failure=failure, **fields)
-        if failure is not None and verdict.keeps_own():
-            try:
-                raise failure
-            finally:
-                failure = None  # no frame -> traceback -> frame cycle pinning the attempt's tensors
-        failure = None
-        verdict.raise_for_peers()
-        return verdict
-
-    def farewell(self, error: BaseException) -> None:
-        """Tell the other ranks, at their next agreement, that this rank ends with `error`."""
-        if self.settled:
-            return
-        self.settled = True
-        try:
-            self.exchange(FAREWELL, failure=error, host=self._host)
-        except Exception:
-            pass  # the others are gone already; this rank's own error is what matters
-
-    @contextlib.contextmanager
-    def scope(self):
-        """Around a run: an error that escapes without the others knowing is announced to them."""
-        try:
-            yield self
-        except Exception as error:
-            self.farewell(error)
-            raise
+    @property
+    def mask_size(self) -> int:
+        return len(self.replicas.params)
 
     # -- the run's milestones ------------------------------------------------------------------
-    _host = contextlib.nullcontext
-
     def hello(self, first, data, device, *, dataset: bool):
         """The first agreement: every rank has read its first batch and placed the model. Decides how
-        the data is given (see the module's docstring), then copies rank 0's parameters and buffers
-        to every rank in place (what DDP's constructor does, here behind an agreement)."""
+        the data is given (see the module's docstring), then copies rank 0's replicated parameters
+        and buffers to every rank in place (what DDP's constructor does, here behind an agreement;
+        FSDP's shards stay each rank's own)."""
         self._host = device.host
         refuse_collective_layers(self.module)
+        self.replicas.refresh()  # shard=True made DTensors of the parameters since the lockstep opened
+        self.sharded = Sharded(self.module) if is_sharded(self.module) else None
+        if self.sharded is not None:
+            self.sharded.guard(self._before_gather)
         self.sampler = None if dataset else distributed_sampler(data)
         if self.sampler is not None and (self.sampler.num_replicas, self.sampler.rank) != (self.world, self.rank):
             raise ValueError(f"the DataLoader's DistributedSampler is for rank {self.sampler.rank} of "
@@ -370,40 +203,10 @@ class Lockstep:
             digest = float(content_hash(first))
         verdict = self.agree(HELLO, value=digest, value2=float(kind), host=self._host)
         self.met = True  # every rank has this model: headers may carry per-parameter entries
-        self.per_rank = self._per_rank({int(k) for k in verdict.values("value2")}, verdict.values())
-        with torch.no_grad():
-            src = self._global(0)
-            for tensor in itertools.chain(self.module.parameters(), self.buffers):
-                torch.distributed.broadcast(tensor, src=src, group=self.group)
+        self.per_rank = per_rank({int(k) for k in verdict.values("value2")}, verdict.values(), self.world)
+        self.replicas.broadcast_from_rank0()
         return self.module
 
-    def _per_rank(self, kinds: set, digests: list[float]) -> bool:
-        """Whether each rank's batches are its share (True) or every rank's are the global batches."""
-        if SAMPLED in kinds:
-            if kinds == {SAMPLED}:
-                return True
-            raise ValueError("some ranks' data has a DistributedSampler and some has not, so autofit "
-                             "cannot tell whether a batch is a rank's share or the global batch; give "
-                             "every rank a DataLoader with a DistributedSampler, or every rank the same "
-                             "global batches.")
-        distinct = len(set(digests))
-        if distinct == 1:
-            return False
-        if DATASET in kinds:
-            raise ValueError("the ranks' Datasets differ (their first global batches are not equal), so "
-                             "autofit cannot tell whether batch_size is each rank's share or the global "
-                             "batch; pass the same Dataset on every rank (autofit takes each rank's rows), "
-                             "or a DataLoader with a DistributedSampler.")
-        if distinct < self.world:
-            groups = {}
-            for r, d in enumerate(digests):
-                groups.setdefault(d, []).append(r)
-            shown = "; ".join("ranks " + ", ".join(map(str, g)) for g in groups.values())
-            raise ValueError(f"some ranks were given the same first batch and others different ones ("
-                             f"same within: {shown}), so autofit cannot tell whether a batch is a "
-                             f"rank's share or the global batch; give every rank the same global "
-                             f"batches, or each rank its own (a DataLoader with a DistributedSampler).")
-        return True
 
     def epochs(self, epoch_batches):
         """`epoch_batches` that first calls `sampler.set_epoch(k)` for the k-th epoch, as a plain
@@ -417,78 +220,6 @@ class Lockstep:
             sampler.set_epoch(next(count))
             return epoch_batches()
         return again
-
-    def agree_budgets(self, device, tensor_budget) -> None:
-        """The smallest budget of all ranks, for the capacity check (less DDP's buffers) and for
-        the cache key (the budget the user gave)."""
-        local = tensor_budget(device)
-        verdict = self.agree(START, value=-1.0 if local is None else float(local),
-                             value2=-1.0 if device.budget is None else float(device.budget),
-                             host=self._host)
-        self.limits = [int(v) if v >= 0 else None for v in verdict.values()]
-        limits = [v for v in self.limits if v is not None]
-        given = [int(v) for v in verdict.values("value2") if v >= 0]
-        self.budget = min(limits) if limits else None
-        self.cache_budget = min(given) if given else None
-
-    def estimate_view(self, device):
-        return _View(device, self.budget)
-
-    def cache_view(self, device):
-        return _View(device, self.cache_budget, f"{device.name} x{self.world} ranks (DDP)")
-
-    def agree_start(self, choose, sizes: SizeLog):
-        """Rank 0 calls `choose()` -> (plan, reason, settle_within), filling `sizes`; every rank
-        returns the same decision with the same `sizes`."""
-        failure, payload, refused = None, b"", False
-        if self.rank == 0:
-            try:
-                plan, reason, settle = choose()
-                payload = json.dumps({"plan": plan.to_dict(), "reason": reason, "settle": settle,
-                                      "sizes": sizes.to_json()}).encode()
-            except DoesNotFit as error:
-                refused = self._smallest() != 0  # the rank that does not fit says so itself
-                failure = None if refused else error
-            except Exception as error:
-                failure = error
-        verdict = self.agree(DECIDE, failure=failure, value=float(len(payload)), flag=refused,
-                             host=self._host)
-        if verdict.any_flag():
-            self._refuse_on_smallest(choose)
-        size = int(verdict.values()[0])
-        with self._host():
-            data = torch.zeros(size, dtype=torch.uint8)
-            if self.rank == 0:
-                data[:] = torch.tensor(list(payload), dtype=torch.uint8)
-            try:
-                torch.distributed.broadcast(data, src=self._global(0), group=self.agreement_group)
-            except Exception:
-                self.settled = True
-                raise
-            decided = json.loads(bytes(data.tolist()).decode())
-        agreed = SizeLog.from_json(decided["sizes"])
-        sizes.fits, sizes.fails = agreed.fits, agreed.fails
-        return Plan.from_dict(decided["plan"]), decided["reason"], decided["settle"]
-
-    def _smallest(self) -> int:
-        """The rank with the smallest budget (the first of equals; rank 0 when none has one)."""
-        known = [(v, r) for r, v in enumerate(self.limits) if v is not None]
-        return min(known)[1] if known else 0
-
-    def _refuse_on_smallest(self, choose) -> None:
-        """Rank 0 found no plan that fits the smallest budget: the rank that has it checks again on
-        its own device and raises DoesNotFit there; every other rank raises RankFailed."""
-        small, failure = self._smallest(), None
-        if self.rank == small:
-            try:
-                choose()
-                failure = LockstepError(f"rank 0 found no plan that fits rank {small}'s budget, but rank "
-                                        f"{small} found one; give every rank the same model, data and "
-                                        f"precision.")
-            except Exception as error:
-                failure = error
-        self.agree(DECIDE, failure=failure, host=self._host)
-        raise LockstepError(f"rank {small} did not report why no plan fits it")  # agree raised already
 
     def local(self, batch):
         """This rank's rows of a global batch (the batch itself when each rank gives its share)."""
@@ -513,25 +244,34 @@ class Lockstep:
                                  f"ranks; make batch_size and the last batch multiples of "
                                  f"{self.world} (e.g. trim the dataset).")
 
-    def next_batch(self, batch):
-        """The next global batch: remembered for weighting, this rank's rows returned."""
+    def next_batch(self, batch, count=rows_of):
+        """The next global batch: remembered for weighting, this rank's rows returned. With per-rank
+        data every rank reports its share's `count` (rows, or label tokens) and rows, so micro-batches
+        are weighted by their share of the whole global batch (a rank whose share has no label token
+        is not an error when the others have some) and the global batch's rows are known."""
         self.step += 1
         self.global_batch = batch
-        return self.local(batch)
+        mine = self.local(batch)
+        if not self.per_rank:
+            self.global_rows = rows_of(batch)
+            return mine
+        failure, counted = None, 0.0
+        try:
+            with self._host():
+                counted = float(count(mine))
+        except Exception as error:
+            failure = error
+        verdict = self.agree(SHARES, failure, value=float(rows_of(mine)), value2=counted, host=self._host)
+        self.global_rows = int(math.fsum(verdict.values()))
+        self.global_count = math.fsum(verdict.values("value2"))
+        if self.global_count == 0:
+            raise ValueError(f"global batch {self.step} has no label token to learn from on any rank "
+                             f"(every label is -100); drop such batches or check the labels.")
+        return mine
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval_share(self, data):
-        """This rank's share of the evaluation data, so each sample is evaluated once: a contiguous
-        part of a map-style Dataset, the rows [r*n/W, (r+1)*n/W) of each batch of an iterable, or the
-        data itself when a DistributedSampler already gives each rank its share."""
-        from autofit.recipes.eval_data import is_map_dataset
-        if distributed_sampler(data) is not None:
-            return data
-        if is_map_dataset(data):
-            n = len(data)
-            return torch.utils.data.Subset(data, range(self.rank * n // self.world,
-                                                       (self.rank + 1) * n // self.world))
-        return _RowShare(data, self.rank, self.world)
+        return eval_share(data, self.rank, self.world)
 
     def combine_eval(self, result):
         """Every rank's EvalResult of its share -> the same EvalResult of the whole data on every
@@ -556,47 +296,26 @@ class Lockstep:
         self.agree(DONE, host=self._host)
 
     def close(self) -> None:
-        pass  # nothing to hand back: autofit made no wrapper
+        """Hand FSDP's switches back (autofit made no wrapper: nothing else to undo)."""
+        if self.sharded is not None:
+            self.sharded.close()
 
-    # -- gradients and buffers -----------------------------------------------------------------
-    def fill_missing_grads(self) -> list[float]:
-        """Zero gradients where this rank has none, so every rank reduces the same tensors; returns
-        which gradients this rank had (a parameter that no rank used gets None back)."""
-        mask = []
-        for p in self.params:
-            mask.append(0.0 if p.grad is None else 1.0)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return mask
-
-    def reduce_grads(self, verdict: Verdict, scale: float = 1.0) -> None:
-        """Sum the gradients over the ranks, each first scaled by `scale` (this rank's share of the
-        global batch), in place (nothing is allocated: nothing can fail)."""
-        used = [max(column) for column in zip(*verdict.masks)] if self.params else []
-        works = []
-        for p, u in zip(self.params, used):
-            if not u:
-                p.grad = None
-                continue
-            if scale != 1.0:
-                p.grad.mul_(scale)
-            works.append(torch.distributed.all_reduce(p.grad, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
-
-    def broadcast_buffers(self) -> None:
-        """Rank 0's buffers to every rank, as DDP does (autofit does it after the agreed backward)."""
-        if not self.sync_buffers:
-            return
-        src = self._global(0)
-        for b in self.buffers:
-            torch.distributed.broadcast(b, src=src, group=self.group)
-
-    def _global(self, group_rank: int) -> int:
-        group = self.agreement_group
-        if group is None or group is torch.distributed.group.WORLD:
-            return group_rank
-        return torch.distributed.get_global_rank(group, group_rank)
+    # -- FSDP ------------------------------------------------------------------------------------
+    def _before_gather(self, size: int, device) -> None:
+        """Before an FSDP unit all-gathers in forward: room for its gathered parameters is made (and
+        freed again, so the gather reuses it), then every rank agrees that the attempt goes on. A
+        rank that failed earlier is at its agreement after backward and meets this one, so both stop;
+        `attempt_agreed` tells the step runner that this attempt's agreement has been held."""
+        failure = None
+        try:
+            if size:
+                room = torch.empty(size, dtype=torch.uint8, device=device)
+                del room
+        except Exception as error:
+            failure = error
+        self.attempt_agreed = True
+        self.agree(BACKWARD, failure, plan=self.attempt_plan, host=self._host)
+        self.attempt_agreed = False
 
     def agreed_step(self, step_fn, plan: Plan):
         """`step_fn` followed by an agreement, for the atomic step: when any rank's step failed,
@@ -609,59 +328,3 @@ class Lockstep:
                 failure = error
             self.agree(STEP, failure=failure, plan=plan, host=self._host)
         return step
-
-
-class _RowShare:
-    """An iterable of batches yielding rank r's rows [r*n/W, (r+1)*n/W) of each (empty ones skipped)."""
-
-    def __init__(self, data, rank: int, world: int):
-        self.data, self.rank, self.world = data, rank, world
-
-    def __iter__(self):
-        for batch in self.data:
-            n = rows_of(batch)
-            lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
-            if hi > lo:
-                yield slice_batch(batch, lo, hi)
-
-
-class DistributedStepRunner(StepRunner):
-    """A StepRunner whose global step is agreed between the ranks (see the module's docstring)."""
-
-    phase_steers_ladder = False  # ranks fail in different phases; all must step down alike
-
-    def __init__(self, model, optimizer, device, *, lockstep: Lockstep, **kwargs):
-        super().__init__(model, optimizer, device, **kwargs)
-        self.lockstep = lockstep
-        self.share_count = 0.0  # rows or label tokens of this rank's batch (per-rank data)
-
-    def _shares(self, batch, parts):
-        if not self.lockstep.per_rank:
-            # Each micro-batch's share of the whole global batch, which every rank holds.
-            return weights(self.lockstep.global_batch, parts, self.count_tokens)
-        tokens = self.count_tokens(batch) if self.count_tokens is not None else None
-        self.share_count = float(rows_of(batch) if tokens is None else tokens)
-        return weights(batch, parts, self.count_tokens)  # within this rank's batch; scaled after
-
-    def run(self, batch, plan) -> float:
-        lock = self.lockstep
-        failure, value, mask, at_risk = None, 0.0, None, False
-        try:
-            value = self._accumulate(batch, plan).item()
-            mask = lock.fill_missing_grads()
-            at_risk = self.offloaded is None and self.atomic.at_risk(config_of(plan))
-        except Exception as error:
-            failure = error
-        verdict = lock.agree(BACKWARD, failure, value=value, value2=self.share_count, flag=at_risk,
-                             plan=plan, mask=mask, host=self.device.host)
-        if lock.per_rank:
-            counts = verdict.values("value2")
-            total = math.fsum(counts)
-            lock.reduce_grads(verdict, scale=self.share_count / total)
-            loss = math.fsum(v * c for v, c in zip(verdict.values(), counts)) / total
-        else:
-            lock.reduce_grads(verdict)
-            loss = math.fsum(verdict.values())
-        lock.broadcast_buffers()  # before the step: nothing after its agreement communicates
-        self._step(plan, guard=verdict.any_flag(), wrap=lambda step: lock.agreed_step(step, plan))
-        return loss

@@ -9,6 +9,9 @@ of this plan needed), the parameters and the optimizer state are copied to host 
 copied back in place if the step runs out of memory. A step known to fit runs without the copy, so
 a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
 `PartialUpdateError` instead of being retried on top of itself.
+
+Sharded parameters and state (FSDP2's DTensors) are copied and restored through their local
+shards: each rank saves and restores its own shard, and no copy communicates.
 """
 
 from __future__ import annotations
@@ -27,19 +30,41 @@ def _params(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (no collective), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)  # DTensor's; torch.distributed may not be built
+    return to_local() if to_local is not None else tensor
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return _local(tensor.detach()).to("cpu", copy=True)
+
+
+def _like(saved: torch.Tensor, model: torch.Tensor, device) -> torch.Tensor:
+    """`saved` (a host copy of a local shard) back on `device`, a DTensor again when `model` is one."""
+    value = saved.to(device)
+    if hasattr(model, "to_local"):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(value, model.device_mesh, model.placements, shape=model.shape,
+                                  stride=model.stride(), run_check=False)
+    return value
+
+
 class Snapshot:
     """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate."""
 
     def __init__(self, optimizer, device):
         self.optimizer = optimizer
         with torch.no_grad(), device.host():
-            self.params = [(p, p.detach().to("cpu", copy=True)) for p in _params(optimizer)]
+            self.params = [(p, _host_copy(p)) for p in _params(optimizer)]
             self.state = {}
+            self.kinds = {}  # (param, key) -> the state tensor as it was (to rebuild a DTensor from)
             for p, _ in self.params:
                 if p in optimizer.state:
-                    self.state[p] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
-                                         else v)
+                    self.state[p] = {k: (_host_copy(v) if isinstance(v, torch.Tensor) else v)
                                      for k, v in optimizer.state[p].items()}
+                    self.kinds.update({(p, k): v for k, v in optimizer.state[p].items()
+                                       if isinstance(v, torch.Tensor)})
             self.groups = save_groups(optimizer)  # some optimizers count steps in the group
 
     def restore(self) -> None:
@@ -48,7 +73,7 @@ class Snapshot:
         restore_groups(self.optimizer, self.groups)
         with torch.no_grad():
             for p, saved in self.params:
-                p.copy_(saved)
+                _local(p).copy_(saved)
                 if p not in self.state:
                     state.pop(p, None)
                     continue
@@ -56,10 +81,10 @@ class Snapshot:
                 for k, v in self.state[p].items():
                     now = current.get(k)
                     if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) \
-                            and now.shape == v.shape and now.dtype == v.dtype:
-                        now.copy_(v)
+                            and _local(now).shape == v.shape and now.dtype == v.dtype:
+                        _local(now).copy_(v)
                     elif isinstance(v, torch.Tensor):
-                        current[k] = v.to(p.device if now is None else now.device)
+                        current[k] = _like(v, self.kinds[p, k], p.device if now is None else now.device)
                     else:
                         current[k] = v
                 for k in set(current) - set(self.state[p]):

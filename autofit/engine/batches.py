@@ -170,36 +170,24 @@ def labels_of(batch):
     return None
 
 
-def token_counter(model) -> "callable | None":
+def token_counter(model, device=None) -> "callable | None":
     """For token-level losses: a function counting the label tokens a batch contributes.
 
-    Causal language models shift labels by one inside their loss, so their first label never counts.
-    Training decides by probing the model (`token_loss.loss_weighting`); this name-based counter
-    serves evaluation and throughput, on the module inside torch.compile/DDP wrappers.
+    A model whose loss shifts labels by one (next-token prediction) never counts a row's first
+    label; the model says so itself (`token_loss.shifts_labels`, asked at the first batch with
+    per-token labels, rows moved with `device`, an autofit device, or where the model is). Serves
+    evaluation and throughput, on the module inside torch.compile/DDP wrappers.
     """
-    from autofit.engine.token_loss import unwrap  # token_loss builds on this module
-    shifted = _is_causal_lm(unwrap(model))
+    from autofit.engine.token_loss import shifts_labels  # token_loss builds on this module
 
     def count(batch):
         labels = labels_of(batch)
         if labels is None or labels.dim() < 2 or labels.is_floating_point():
             return None
-        if shifted:
+        if shifts_labels(model, batch, device):
             labels = labels[..., 1:]
         return int((labels != IGNORE_INDEX).sum())
     return count
-
-
-# LM-head models whose loss does not shift labels (they predict masked/permuted tokens in place).
-_UNSHIFTED_LM_HEADS = {"XLNetLMHeadModel", "XLMWithLMHeadModel", "FlaubertWithLMHeadModel"}
-
-
-def _is_causal_lm(model) -> bool:
-    """Whether the model's own loss shifts labels by one (next-token prediction)."""
-    name = type(model).__name__
-    if name in _UNSHIFTED_LM_HEADS:
-        return False
-    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
 def weights(batch, parts: list, count_tokens=None) -> list[float]:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from autofit.engine.replay import rng_state, set_rng_state
+
 
 def is_one_shot(data) -> bool:
     """An iterator (a generator, `iter(...)` of something) can be read once; telling so must not
@@ -60,14 +62,15 @@ def _generators(obj, depth: int = 3) -> list[torch.Generator]:
 
 @contextlib.contextmanager
 def rng_untouched(*sources):
-    """Work inside (fake-tensor estimates, a look at the evaluation data) leaves torch's global RNG
-    (CPU and every CUDA device) and the generators of `sources` as they were."""
+    """Work inside (fake-tensor estimates, a look at the evaluation data) leaves the global random
+    generators (torch's on CPU and every CUDA device, Python's, numpy's) and the generators of
+    `sources` as they were: a forward traced on fake tensors still runs the model's Python code."""
     generators = list({id(g): g for s in sources for g in _generators(s)}.values())
     states = [g.get_state() for g in generators]
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            for g, state in zip(generators, states):
-                g.set_state(state)
+    rng = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(rng)
+        for g, state in zip(generators, states):
+            g.set_state(state)

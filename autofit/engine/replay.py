@@ -4,7 +4,8 @@ A failed attempt has already drawn dropout masks, updated BatchNorm's running st
 advanced a counter in the optimizer's param_groups, and handed its micro-batches to a `loss_fn`
 that may change them in place. Replaying on top of that would not be the mathematics of a plain
 loop. `StartState` keeps what a replay needs, in host memory:
-- torch's RNG states (CPU and every CUDA device): a few KiB;
+- the global random generators a forward may draw from: torch's (CPU and every CUDA device),
+  Python's `random` and numpy's (a layer-drop written with `random.random()`): a few KiB;
 - the model's buffers: host copies; integer and bool buffers (position ids, masks) are copied
   again only when their `_version` moved, floating-point ones (running statistics, which native
   kernels write without bumping `_version`) at every capture;
@@ -17,6 +18,8 @@ loop. `StartState` keeps what a replay needs, in host memory:
 from __future__ import annotations
 
 import copy
+import random
+import sys
 
 import torch
 
@@ -24,15 +27,21 @@ from autofit.gpu.device import _map_tensors
 
 
 def rng_state() -> tuple:
+    """The global random generators: torch's (CPU, every CUDA device), Python's and numpy's."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda
+    # numpy only when something imported it: code that never did cannot have drawn from it
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), numpy and numpy.random.get_state()
 
 
 def set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
+    cpu, cuda, py, np_state = state
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
 
 
 def save_groups(optimizer) -> list[dict]:

@@ -58,6 +58,7 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
+    skip_empty = False  # skip a micro-batch whose share is 0 (no label token: its loss is 0/0)
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
                  count_tokens=None, sync=None, forward=None, max_grad_norm=None, weighting=None):
@@ -151,6 +152,8 @@ class StepRunner:
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
         autocast = precisions.get(plan.precision).mixed
         for i, (part, share) in enumerate(zip(parts, shares)):
+            if share == 0 and self.skip_empty:
+                continue
             part = self.device.to_device(part)
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
@@ -166,7 +169,7 @@ class StepRunner:
             total = term if total is None else total + term
             del part, loss, scaled, term
         del parts
-        return total
+        return total if total is not None else torch.zeros(())
 
     def _phased(self, step):
         """`step` that sets the phase: "optimizer.step" around it (clipping included);

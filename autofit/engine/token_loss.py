@@ -19,9 +19,11 @@ labels says so once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +31,7 @@ from typing import Callable
 import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
+from autofit.engine.reading import rng_untouched
 
 log = logging.getLogger("autofit")
 
@@ -118,31 +121,22 @@ def probe_counting(model, batch, device) -> str | None:
     labels = labels_of(batch)
     if labels is None or labels.dim() == 0 or batch_size(batch) < 2:
         return None
-    model = unwrap(model)  # counting is the module's; no DDP collective, no compilation for a probe
-    was_training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), device.host():
-            # Tensors only: other fields are the loss_fn's business (ids, metadata).
-            part = {k: v for k, v in slice_batch(batch, 0, 2).items() if isinstance(v, torch.Tensor)}
+        with _probing(model, device) as inner:
+            part = _tensors(batch, 2)
             if not part["labels"].is_floating_point():
                 part["labels"] = torch.zeros_like(part["labels"])  # every label counts: the counts differ
             unshifted = part["labels"].numel()
             shifted = part["labels"][..., 1:].numel() if part["labels"].dim() >= 2 else None
-            model.eval()
             part = device.to_device(part)
-            # forward itself, not __call__: hooks the user put on the model (step counters, fault
-            # injection) see training forwards only
-            mean = _loss(model.forward(**part))
+            mean = _loss(inner.forward(**part))
             one = torch.ones((), dtype=torch.long, device=mean.device) if mean is not None else 1
-            summed = _loss(model.forward(**part, **{ITEMS: one}))
+            summed = _loss(inner.forward(**part, **{ITEMS: one}))
             mean, summed = [None if x is None else x.item() for x in (mean, summed)]
     except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
         log.info("num_items_in_batch probe of %s failed (%s: %s); micro-batches are weighted without it",
                  type(unwrap(model)).__name__, type(error).__name__, error)
         return None
-    finally:
-        model.train(was_training)
     if mean is None or summed is None or not math.isfinite(mean) or mean == 0:
         return None
     ratio = summed / mean
@@ -153,6 +147,84 @@ def probe_counting(model, batch, device) -> str | None:
     return None
 
 
+_SHIFTS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def shifts_labels(model, batch, device=None) -> bool:
+    """Whether the model's own loss shifts per-token labels by one (next-token prediction), so a
+    row's first label never counts. Found by asking the model, not its class name, once per model:
+    one row of `batch` with only the first and the last label of the row kept; a loss that moves
+    when the last label changes but not when the first one does shifts them. False when `batch`
+    has no per-token labels or the model's loss does not tell (the labels that are not -100 count)."""
+    labels = labels_of(batch)
+    if labels is None or labels.dim() < 2 or labels.is_floating_point() or labels.shape[-1] < 2:
+        return False
+    inner = unwrap(model)
+    if inner not in _SHIFTS:
+        _SHIFTS[inner] = _probe_shift(inner, batch, device if device is not None else _ModelsDevice(inner))
+    return _SHIFTS[inner]
+
+
+def _probe_shift(model, batch, device) -> bool:
+    try:
+        with _probing(model, device) as inner:
+            part = device.to_device(_tensors(batch, 1))
+            kept = torch.full_like(part["labels"], IGNORE_INDEX)
+            kept[..., 0] = kept[..., -1] = 0
+            first, last = kept.clone(), kept.clone()
+            first[..., 0] = last[..., -1] = 1
+            losses = [_loss(inner.forward(**{**part, "labels": labels})) for labels in (kept, first, last)]
+            base, first, last = [math.nan if x is None else x.item() for x in losses]
+    except Exception as error:  # noqa: BLE001 -- a probe never stops a run
+        log.info("cannot tell whether %s shifts its labels (%s: %s); every label that is not -100 counts",
+                 type(model).__name__, type(error).__name__, error)
+        return False
+    if not (math.isfinite(base) and _moved(base, last)):
+        log.info("cannot tell whether %s shifts its labels (its loss does not follow them); every label "
+                 "that is not -100 counts", type(model).__name__)
+        return False
+    return not _moved(base, first)
+
+
+def _moved(a: float, b: float) -> bool:
+    return math.isfinite(b) and abs(a - b) > 1e-6 * max(abs(a), abs(b))
+
+
+@contextlib.contextmanager
+def _probing(model, device):
+    """The module itself (no DDP collective, no compilation for a probe) in eval mode, under no_grad,
+    in host memory, leaving the RNG and the train/eval mode as they were. Call its `forward`, not
+    `__call__`: hooks the user put on the model (step counters, fault injection) see training
+    forwards only."""
+    inner = unwrap(model)
+    was_training = inner.training
+    try:
+        with rng_untouched(), torch.no_grad(), device.host():
+            inner.eval()
+            yield inner
+    finally:
+        inner.train(was_training)
+
+
+def _tensors(batch, rows: int) -> dict:
+    """The first `rows` rows of a dict batch, tensors only: other fields are the loss_fn's business."""
+    return {k: v for k, v in slice_batch(batch, 0, min(rows, batch_size(batch))).items()
+            if isinstance(v, torch.Tensor)}
+
+
+class _ModelsDevice:
+    """Where no autofit device is given: the probe's row goes where the model's parameters are."""
+
+    def __init__(self, model):
+        self.param = next(model.parameters(), None)
+
+    def host(self):
+        return contextlib.nullcontext()
+
+    def to_device(self, batch):
+        return batch if self.param is None else {k: v.to(self.param.device) for k, v in batch.items()}
+
+
 def _loss(out):
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
@@ -160,15 +232,17 @@ def _loss(out):
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def loss_weighting(model, batch, loss_fn, device) -> LossWeighting:
-    """The weighting of a run's micro-batches, decided once from its first batch (and said once)."""
+def loss_weighting(model, batch, loss_fn, device, probe: bool = True) -> LossWeighting:
+    """The weighting of a run's micro-batches, decided once from its first batch (and said once).
+    `probe=False` never runs the model to find how it counts (a sharded model's forward
+    communicates: it runs only inside a step)."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
     fn_items = loss_fn is not None and loss_fn_takes_items(loss_fn)
     counting = None
     if (loss_fn is None or fn_items) and labels is not None and isinstance(batch, Mapping) \
-            and forward_takes_items(model):
+            and probe and forward_takes_items(model):
         counting = probe_counting(model, batch, device)
     if loss_fn is not None:
         if fn_items:
@@ -182,10 +256,12 @@ def loss_weighting(model, batch, loss_fn, device) -> LossWeighting:
     if counting is not None:
         return LossWeighting(label_tokens(counting == "shifted"), True,
                              f"{name} divides its loss by num_items_in_batch ({counting} labels)")
-    if labels is not None and forward_takes_items(model):
-        how = ("label tokens (not -100, unshifted)" if token_level else "rows")
-        log.info("%s's loss ignores num_items_in_batch although its forward takes it; micro-batches are "
-                 "weighted by %s", name, how)
+    weighting = LossWeighting()
     if token_level:
-        return LossWeighting(label_tokens(False), False, "label tokens (not -100, unshifted)")
-    return LossWeighting()
+        shifted = shifts_labels(model, batch, device)
+        weighting = LossWeighting(label_tokens(shifted), False,
+                                  f"label tokens (not -100, {'shifted' if shifted else 'unshifted'})")
+    if labels is not None and forward_takes_items(model):
+        log.info("%s's loss ignores num_items_in_batch although its forward takes it; micro-batches are "
+                 "weighted by %s", name, weighting.why if token_level else "rows")
+    return weighting

@@ -21,6 +21,7 @@ import copy
 import torch
 
 from autofit.engine.batches import slice_batch
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.gpu.device import _map_tensors
 from autofit.estimator.estimate import Estimator, MemoryEstimate, _FakeDevice
 from autofit.estimator.fakes import warm
@@ -155,8 +156,7 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     state_values = {p: {k: v.detach().to("cpu", copy=True) for k, v in held.items()
                         if isinstance(v, torch.Tensor)} for p, (_, held) in state.items()}
     groups = [(g, {k: copy.copy(v) for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    rng = rng_state()
     try:
         yield
     finally:
@@ -177,6 +177,4 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
             m.training = training
         for g, options in groups:
             g.update(options)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_rng_state(rng)

@@ -21,6 +21,7 @@ from autofit.estimator.capacity import choose, needs_message, rank, usable_bytes
 from autofit.estimator.estimate import Estimator
 from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
+from autofit.plans.applies import not_applicable
 from autofit.plans.ladder import config_of
 from autofit.engine.reading import rng_untouched
 from autofit.sizes import format_size
@@ -84,26 +85,50 @@ def longest_batch(data, first):
     return max(data, key=elements)
 
 
+def _first_whole_fitting(plans, estimator, budget, room, calibration):
+    """(plan, reason) for the first of `plans` predicted to fit `budget` (as `headroom` compares
+    them), or None."""
+    usable = usable_bytes(budget, reserve=room["reserve"])
+    for plan in plans:
+        peak = estimator.measure(plan).peak(room["caps"])
+        if peak * calibration <= usable:
+            reason = (f"estimated: the first whole-batch plan of the ladder predicted to fit (peak "
+                      f"{format_size(peak)} of {format_size(budget)}); batch-coupled layers keep the "
+                      f"batch whole first")
+            log.info("capacity check: %s", reason)
+            return plan, reason
+    return None
+
+
 def cannot_estimate(model, error: BaseException, instead: str) -> None:
     """Say in one line that the capacity check could not estimate `model`, why, and what happens."""
     log.warning("capacity check: cannot estimate %s (%s); %s", type(model).__name__,
                 one_line(error), instead)
 
 
-def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes,
+def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes, coupling=None,
                     guide: Guide | None = None):
     """(plan, reason) from the capacity check, None when there is nothing to check against; the
-    sizes predicted not to fit are recorded in `sizes` (a SizeLog). `guide` (from `make_guide`)
-    gives the calibration and keeps the estimator for the run's upward search."""
+    sizes predicted not to fit are recorded in `sizes` (a SizeLog). With `coupling` (a
+    plans.coupling.Coupling) that keeps the batch whole first, the start is the first whole-batch
+    plan of its ladder predicted to fit; the fastest plan of all only when none does. `guide`
+    (from `make_guide`) gives the calibration and keeps the estimator for the run's upward search."""
     budget = tensor_budget(device)
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
     room = headroom(device)
     calibration = 1.0 if guide is None else guide.calibration
+    whole = [] if coupling is None else \
+        [p for p in coupling.whole_plans(batch_size(batch), precision, device.supports_bf16())
+         if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
             estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+            kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
+            if kept is not None:
+                sizes.record(kept[0], ok=True, length=row_elements(batch))
+                return kept
             candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer,
                               loss_fn=loss_fn, device_type=device_type, calibration=calibration,
                               bf16_supported=device.supports_bf16(), estimator=estimator, **room)

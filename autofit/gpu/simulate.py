@@ -27,6 +27,7 @@ from autofit.sizes import format_size, parse_size
 
 ROUNDING = 512
 CAPS = ("allocated", "reserved")  # what a simulated GPU's budget limits
+INJECTED = "(injected fault)"  # in the message of an OOM that fail_at() caused
 
 _active = threading.local()
 
@@ -162,7 +163,7 @@ class SimulatedGPU:
                     given = {id(i.untyped_storage()) for i in _tensors(inputs)}
                 if key in given:
                     continue  # a view of, or an in-place write to, memory made outside the simulation
-            if all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them later
+            if not fresh or all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them
                 fresh.append((storage, key, nbytes, nbytes))
         if not fresh:
             return
@@ -190,21 +191,23 @@ class SimulatedGPU:
                     self.allocator.free(block)
             raise self._oom(sum(f[2] for f in fresh)) from None
         for (storage, key, extra, nbytes), block in zip(fresh, blocks):
-            old = self._live.get(key)
-            if old is not None and old[2] is not None:
-                self.allocator.free(old[2])
+            if extra != nbytes:  # resized in place: its old block goes back
+                old = live.get(key)
+                if old is not None and old[2] is not None:
+                    self.allocator.free(old[2])
             ref = weakref.ref(storage, self._dead)
             self._ref_keys[id(ref)] = key
             live[key] = (ref, nbytes, block)
             self._allocated += extra
-        self._peak = max(self._peak, self._allocated)
+        if self._allocated > self._peak:
+            self._peak = self._allocated
 
     def _oom(self, need: int, injected: bool = False) -> torch.OutOfMemoryError:
         budget = "unlimited" if self.budget is None else format_size(self.budget)
         reserved = self.allocator.reserved
         used = reserved if self.caps == "reserved" else self._allocated
         free = "unlimited" if self.budget is None else format_size(max(self.budget - used, 0))
-        why = " (injected fault)" if injected else ""
+        why = f" {INJECTED}" if injected else ""
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_size(need)}. GPU 0 has a total capacity of "
             f"{budget} of which {free} is free. Of the allocated memory "
@@ -243,42 +246,71 @@ def _death_callback(gpu_ref):
     return dead
 
 
+def _count(self, func, types, args=(), kwargs=None):
+    """`_CountingMode.__torch_dispatch__`: run the op, then count the storages it made."""
+    out = func(*args, **(kwargs or {}))
+    if not self.gpu._counting:
+        allocates = _ALLOCATES.get(func)
+        if allocates is None:
+            allocates = _ALLOCATES[func] = _may_allocate(func)
+        if allocates:
+            # inputs are looked at only where an output may share their storage (ALIASES)
+            self.gpu._account(_tensors(out), inputs=(args, kwargs) if allocates is ALIASES else ())
+    return out
+
+
+def _skipped_by_dynamo(fn) -> bool:
+    """Mark `fn` so that torch.compile's frame evaluation runs it, and the frames it calls, as they
+    are (what torch._disable_dynamo ensures with a wrapper that costs about 1 us on every op).
+    False where this torch has no such switch."""
+    try:
+        from torch._C._dynamo import eval_frame
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
+        return True
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
+_SKIPPED = _skipped_by_dynamo(_count)
+
+
 class _CountingMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _SKIPPED  # torch's own wrapper only where the code could not be marked
+
     def __init__(self, gpu: SimulatedGPU):
         super().__init__()
         self.gpu = gpu
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.gpu._counting:
-            allocates = _ALLOCATES.get(func)
-            if allocates is None:
-                allocates = _ALLOCATES[func] = _may_allocate(func)
-            if allocates:
-                # the inputs are flattened only when an output's storage is new to the counter
-                self.gpu._account(_tensors(out), inputs=(args, kwargs))
-        return out
+    __torch_dispatch__ = _count
 
 
-_ALLOCATES: dict = {}  # op -> whether its outputs can hold new or resized storage
+_ALLOCATES: dict = {}  # op -> False, FRESH or ALIASES (see _may_allocate)
 _RESIZING = {"resize_", "resize_as_", "set_", "_resize_output_"}
+FRESH, ALIASES = "fresh", "aliases"
 
 
-def _may_allocate(func) -> bool:
+def _may_allocate(func):
     """False for ops whose every result aliases an input without resizing it: views (view,
     transpose, expand, detach, ...) and in-place ops other than resizing ones and out= variants.
-    Skipping them is most of what keeps the counter cheap per op."""
+    Skipping them is most of what keeps the counter cheap per op. FRESH for ops whose schema says
+    every result is a new tensor (their inputs need no look), ALIASES for the others: results that
+    may be an input's storage, resized, and the `unsafe` ops whose schema does not say they alias
+    (`_unsafe_view`, `unsafe_split`: the exceptions PyTorch's own SchemaCheckMode allows)."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.returns:
-        return schema is None
+        return ALIASES if schema is None else False
     name = schema.name.split("::")[-1]
-    if name in _RESIZING:
-        return True
+    if name in _RESIZING or "unsafe_" in name:
+        return ALIASES
+    if all(r.alias_info is None for r in schema.returns):
+        return FRESH
     if any(r.alias_info is None for r in schema.returns):
-        return True  # a new tensor
+        return ALIASES  # a new tensor beside an aliased one
     # every result aliases an input: a view, an in-place op, or an out= variant (which may resize)
-    return not name.endswith("_") and any(r.alias_info.is_write for r in schema.returns)
+    return ALIASES if not name.endswith("_") and any(r.alias_info.is_write for r in schema.returns) else False
 
 
 @contextlib.contextmanager

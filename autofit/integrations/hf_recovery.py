@@ -1,22 +1,28 @@
-"""Recovering a Hugging Face `Trainer` from an out-of-memory error: free what the failed attempt
-held, restart from the initial state or resume from a checkpoint this call saved, and retry an
-evaluation with a smaller evaluation batch. Used by `autofit.integrations.transformers`."""
+"""Recovering a Hugging Face `Trainer`'s training from an out-of-memory error: each `trainer.train()`
+is an `engine.attempt` attempt; after one fails, what it held is freed (after its `except` block),
+the plan steps down the Trainer's ladder, and the next attempt restarts from the initial state or
+resumes from a checkpoint this call saved. Used by `autofit.integrations.transformers` (evaluation
+retries are `hf_eval`'s)."""
 
 from __future__ import annotations
 
 import copy
-import itertools
+import logging
 import os
-import random
-from dataclasses import dataclass
 
 import torch
 
-from autofit.engine.controller import CUDA_BASELINE_SLACK
-from autofit.gpu.device import describe_tensors
-from autofit.errors import DoesNotFit, MemoryNotReleased
-from autofit.gpu.oom import is_oom, release, summarize
+from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
+from autofit.engine.replay import rng_state, set_rng_state
+from autofit.errors import DoesNotFit
+from autofit.gpu.memory import by_kind
+from autofit.gpu.oom import is_oom
+from autofit.integrations import hf_trainer as hf
 from autofit.integrations.hf_trainer import raw_optimizer
+
+log = logging.getLogger("autofit")
+
+MAX_ATTEMPTS = 32  # a ladder longer than this goes round in circles
 
 
 # -- the state an attempt starts from -----------------------------------------------------------
@@ -47,23 +53,6 @@ class Start:
         set_rng_state(self.rng)
 
 
-def rng_state() -> tuple:
-    """The global random generators the Trainer draws from: Python's, numpy's, torch's (CPU, CUDA)."""
-    return (random.getstate(), _numpy_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(state: tuple) -> None:
-    py, np_state, cpu, cuda = state
-    random.setstate(py)
-    if np_state is not None:
-        import numpy
-        numpy.random.set_state(np_state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _host(obj):
     """A deep copy with every tensor copied to host memory (load_state_dict puts them back)."""
     if isinstance(obj, torch.Tensor):
@@ -75,18 +64,11 @@ def _host(obj):
     return copy.deepcopy(obj)
 
 
-def _numpy_state():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
-
-
-def free_attempt(trainer, device, owns_optimizer: bool) -> None:
-    """Drop what a failed `trainer.train()` held (called after its `except` block has exited): the
-    optimizer's state (the Trainer's own optimizer entirely; a user's optimizer is kept and its
-    state reloaded on the retry), gradients, the Accelerator's references, the autograd queue."""
+def free_attempt(trainer, owns_optimizer: bool) -> None:
+    """Drop what a failed `trainer.train()` held (called after its `except` block has exited,
+    before `oom.release` drops gradients and the autograd queue): the optimizer's state (the
+    Trainer's own optimizer entirely; a user's optimizer is kept and its state reloaded on the
+    retry), the Accelerator's references."""
     optimizer = raw_optimizer(trainer.optimizer) if trainer.optimizer is not None else None
     if owns_optimizer:
         trainer.optimizer = trainer.lr_scheduler = None
@@ -99,23 +81,6 @@ def free_attempt(trainer, device, owns_optimizer: bool) -> None:
     handler.train_dataloader = None
     trainer.model_wrapped = trainer.model
     trainer.accelerator.free_memory()  # its lists of prepared models, optimizers and loaders
-    del optimizer
-    release(device, model=trainer.model)
-
-
-def check_freed(trainer, device, baseline: int) -> None:
-    """MemoryNotReleased, naming the holders, when more than the pre-attempt baseline stays
-    allocated after `free_attempt` (CUDA: beyond the workspaces its libraries keep cached)."""
-    slack = CUDA_BASELINE_SLACK if device.type == "cuda" else 0
-    extra = device.memory_allocated() - baseline
-    if extra <= slack:
-        return
-    known = {id(t.untyped_storage()) for t in itertools.chain(trainer.model.parameters(), trainer.model.buffers())}
-    if trainer.optimizer is not None:
-        for entry in raw_optimizer(trainer.optimizer).state.values():
-            known |= {id(v.untyped_storage()) for v in entry.values() if isinstance(v, torch.Tensor)}
-    holders = [t for t in device.live_tensors() if id(t.untyped_storage()) not in known]
-    raise MemoryNotReleased(extra, describe_tensors(holders) if holders else "no tensor Python can see")
 
 
 def resumable_checkpoints(args) -> bool:
@@ -186,116 +151,79 @@ def tracker(device, trainer):
     return _Tracker()
 
 
-# -- evaluation ---------------------------------------------------------------------------------
+# -- the attempts -------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class EvalAttempt:
-    """One evaluation under one `per_device_eval_batch_size` (autofit.explain reads it as it reads
-    autofit.evaluate's attempts: `batch_size`, `batch`, `first_sample`)."""
-
-    per_device_eval_batch_size: int
-    outcome: str       # "ok" | "oom"
-    global_step: int   # the training step it evaluated
-    reason: str
-    error: str = ""
-    batch: int = 0     # for "oom": the evaluation batch that failed (how many had completed)
-    peak_bytes: int = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.per_device_eval_batch_size
-
-    @property
-    def first_sample(self) -> int:
-        return self.batch * self.per_device_eval_batch_size
-
-    def describe(self) -> str:
-        text = (f"evaluation at step {self.global_step}: per_device_eval_batch_size="
-                f"{self.per_device_eval_batch_size} -> {self.outcome}")
-        if self.outcome == "oom":
-            text += f" at evaluation batch {self.batch}: {self.error}"
-        return text + f" [{self.reason}]"
+def _optimizer(trainer):
+    return raw_optimizer(trainer.optimizer) if trainer.optimizer is not None else None
 
 
-class EvalGuard:
-    """Replaces `trainer.evaluate` (on the instance, until `remove()`) by one that halves only
-    `per_device_eval_batch_size` after an out-of-memory error and evaluates again; the training
-    batch is never touched. Works for evaluations inside `trainer.train()` too (they call
-    `self.evaluate`).
+class TrainAttempts:
+    """`trainer.train()` under `plan`, stepping down `ladder` after each out-of-memory error until
+    an attempt finishes (`run()`). `start`: the initial state (None when the call resumes from
+    `origin`, the user's checkpoint); `saves`: the `tracker` of the checkpoints this call saved."""
 
-    What a retry leaves behind is what one evaluation would have: each retry starts from the
-    global random generators as the first try found them (the evaluation DataLoader's iterator
-    draws its seed from torch's), so the training after it draws the same dropout masks as a run
-    without the OOM. The device's peak counter is reset for each evaluation (its own peak); the
-    peak of the training around the evaluations is kept in `training_peak()`."""
+    def __init__(self, trainer, device, fitted, ladder, start, saves, origin, train_kwargs):
+        self.trainer, self.device, self.fitted, self.ladder = trainer, device, fitted, ladder
+        self.start, self.saves, self.origin, self.train_kwargs = start, saves, origin, train_kwargs
+        self.plan, self.reason, self.checkpoint = fitted.plan, fitted.reason, origin
+        self.rows = hf.rows_per_step(trainer.args)  # the true global batch of the ladder's moves
+        self.owns_optimizer = start.owns_optimizer if start is not None else trainer.optimizer is None
+        self.resumable = resumable_checkpoints(trainer.args)
+        self.attempts: list = []
+        self.seen = {self.plan}
+        self.attempter = Attempter(device, lambda: (trainer.model, _optimizer(trainer)),
+                                   free=lambda: free_attempt(trainer, self.owns_optimizer),
+                                   # DoesNotFit: an evaluation that fits nowhere, not a training OOM
+                                   catches=lambda error: not isinstance(error, DoesNotFit) and is_oom(error))
 
-    def __init__(self, trainer, device, attempts: list):
-        from transformers import TrainerCallback
+    def run(self, guard):
+        """(TrainOutput, the plan it finished with, the attempts); `guard`: the EvalGuard, whose
+        `training_peak()` leaves the evaluations out of each attempt's peak."""
+        self.guard = guard
+        output = until_fits(self._attempt, self._after_oom).value
+        return output, self.plan, self.attempts
 
-        self.trainer, self.device, self.attempts = trainer, device, attempts
-        self.previous = trainer.__dict__.get("evaluate")
-        self.original = trainer.evaluate
-        self.reason = "as the TrainingArguments give it"
-        self.done = 0  # evaluation batches completed in the current attempt
-        self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
+    def _attempt(self):
+        trainer = self.trainer
+        self.device.reset_peak_memory_stats()
+        self.guard.begin_training()
+        outcome = self.attempter(
+            lambda: trainer.train(resume_from_checkpoint=self.checkpoint, **self.train_kwargs),
+            inspect=lambda error: by_kind(self.device, trainer.model, _optimizer(trainer)),
+            peak=self.guard.training_peak)
+        if outcome.ok:
+            self.attempts.append(Attempt(self.plan, "ok", self.reason, outcome.peak, trainer.state.global_step))
+        return outcome
 
-        guard = self
-
-        class _Count(TrainerCallback):
-            def on_prediction_step(self, args, state, control, **kwargs):
-                guard.done += 1
-        self.counter = _Count()
-        trainer.add_callback(self.counter)
-        trainer.evaluate = self.evaluate
-
-    def remove(self) -> None:
-        self.trainer.remove_callback(self.counter)
-        if self.previous is None:
-            self.trainer.__dict__.pop("evaluate", None)
+    def _after_oom(self, outcome) -> bool:
+        trainer, device, memory = self.trainer, self.device, outcome.found
+        step, text = trainer.state.global_step, outcome.error
+        self.attempts.append(Attempt(self.plan, "oom", self.reason, outcome.peak, step, text, "trainer.train",
+                                     memory))
+        taken = next_down(self.ladder, self.plan, self.rows, failed=self.seen.__contains__)
+        if taken is None:
+            raise DoesNotFit(
+                f"no plan of the ladder fits the Trainer's batch at global step {step} on "
+                f"{device.describe()} (effective batch {self.fitted.effective_batch} kept); lower the effective "
+                f"batch in the TrainingArguments or give a larger budget.", attempts=self.attempts,
+                breakdown=memory, budget=device.budget)
+        plan, why = taken
+        if len(self.attempts) >= MAX_ATTEMPTS:
+            raise DoesNotFit(f"gave up after {len(self.attempts)} out-of-memory attempts at global step {step} "
+                             f"on {device.describe()}; memory is too unsteady to settle on a plan.",
+                             attempts=self.attempts, breakdown=memory, budget=device.budget)
+        self.seen.add(plan)
+        checkpoint = self.saves.latest() if self.resumable else None
+        self.saves.resume_from(checkpoint)
+        if checkpoint is not None:
+            where = f"resumed from {checkpoint}"
+        elif self.origin is not None:
+            checkpoint, where = self.origin, f"no checkpoint saved yet: restarted from {self.origin}"
         else:
-            self.trainer.evaluate = self.previous
-
-    def begin_training(self) -> None:
-        """A training attempt starts: its peak is counted from now (the caller reset the device's)."""
-        self.outside_peak = 0
-
-    def training_peak(self) -> int:
-        """The training attempt's peak so far, evaluations left out."""
-        return max(self.outside_peak, self.device.max_memory_allocated())
-
-    def evaluate(self, *args, **kwargs):
-        targs = self.trainer.args
-        self.outside_peak = self.training_peak()
-        rng = rng_state()  # every retry starts from it
-        tries = 0
-        while True:
-            size, failure = targs.per_device_eval_batch_size, None
-            self.done = 0
-            if tries:
-                set_rng_state(rng)
-            tries += 1
-            self.device.reset_peak_memory_stats()
-            try:
-                metrics = self.original(*args, **kwargs)
-            except Exception as error:
-                if not is_oom(error):
-                    raise
-                failure = summarize(error)
-            step, peak = self.trainer.state.global_step, self.device.max_memory_allocated()
-            if failure is None:
-                self.attempts.append(EvalAttempt(size, "ok", step, self.reason, peak_bytes=peak))
-                self.reason = "kept: the evaluation batch that worked"
-                self.device.reset_peak_memory_stats()  # the training after it counts from here
-                return metrics
-            # Out of the except block: the evaluation's frames and tensors are gone.
-            self.attempts.append(EvalAttempt(size, "oom", step, self.reason, failure, self.done, peak))
-            release(self.device)
-            if size <= 1:
-                raise DoesNotFit(
-                    f"evaluation of one row per device ran out of memory at global step {step} on "
-                    f"{self.device.describe()}; the training batch was left as it is. Free memory held "
-                    f"outside the model, set eval_accumulation_steps so predictions leave the device, "
-                    f"or give a larger budget.", attempts=self.attempts, budget=self.device.budget)
-            targs.per_device_eval_batch_size = size // 2
-            getattr(self.trainer, "_eval_dataloaders", {}).clear()  # loaders kept with persistent workers
-            self.reason = f"halved after an out-of-memory error at {size} rows; the training batch is unchanged"
+            self.start.restore()
+            where = "no checkpoint to resume from: restarted from the initial state"
+        log.warning("out of memory in trainer.train at global step %d under %s (%s); stepping down to %s",
+                    step, self.plan.describe(), text, plan.describe())
+        self.plan, self.reason, self.checkpoint = plan, f"{why}; {where}", checkpoint
+        hf.apply_plan(trainer, plan)
+        return True

@@ -1,7 +1,8 @@
 """What autofit reads from and changes on a Hugging Face `Trainer`, one small function each.
 
-`autofit.integrations.transformers` composes these (and `hf_recovery`: freeing, restarting,
-resuming, evaluation retries) into `fit_trainer`, `train` and `evaluate`. This module knows the
+`autofit.integrations.transformers` composes these (and `hf_loss`: the loss scaling under
+accumulation; `hf_recovery`: freeing, restarting, resuming; `hf_eval`: evaluation retries) into
+`fit_trainer`, `train` and `evaluate`. This module knows the
 Trainer's internals (tested against transformers 5.x):
 
 - the Trainer caches the train batch size at construction (`_train_batch_size`) and bakes mixed
@@ -207,7 +208,7 @@ def _optimizer(trainer):
 
 def _loss_fn(trainer):
     """None (the model's own loss, the estimator's default) unless the Trainer computes its own."""
-    if type(trainer).compute_loss is _trainer_class().compute_loss and trainer.compute_loss_func is None \
+    if type(trainer).compute_loss is trainer_class().compute_loss and trainer.compute_loss_func is None \
             and trainer.label_smoother is None:
         return None
     return lambda model, batch: trainer.compute_loss(model, dict(batch))
@@ -224,48 +225,7 @@ def _no_loss(trainer, batch) -> ValueError:
         "holds the labels, or pass Trainer(compute_loss_func=...).")
 
 
-# -- the loss ----------------------------------------------------------------------------------
-
-def fix_loss_scaling(trainer, device) -> str | None:
-    """Make the Trainer divide the loss by the accumulation steps when the model ignores
-    `num_items_in_batch` although its forward takes **kwargs; the reason, or None when nothing
-    was changed.
-
-    The Trainer skips that division for models whose forward takes **kwargs, trusting them to
-    normalise by `num_items_in_batch`; heads that drop it (BERT's sequence classification, among
-    others: huggingface/transformers#47688) then train on a gradient `gradient_accumulation_steps`
-    times too large, and a step-down that changes the accumulation would change the mathematics. A
-    forward of two rows with two different counts tells which kind the model is.
-    """
-    if not getattr(trainer, "model_accepts_loss_kwargs", False) or trainer.compute_loss_func is not None \
-            or getattr(trainer, "loss_is_scaled_for_ga", None) is not None \
-            or type(trainer).compute_loss is not _trainer_class().compute_loss:
-        return None
-    batch = sample_batch(trainer, 2)
-    if not isinstance(batch, Mapping) or "labels" not in batch:
-        return None
-    model = trainer.model
-    target = next(model.parameters()).device
-    batch = {k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), device.host():
-            losses = [getattr(model(**batch, num_items_in_batch=torch.tensor(n, device=target)), "loss", None)
-                      for n in (1.0, 2.0)]
-    except TypeError:  # the forward refuses the keyword: the Trainer's own call would fail too
-        return None
-    finally:
-        model.train(was_training)
-    if any(loss is None for loss in losses) or not torch.allclose(losses[0], losses[1]):
-        return None
-    trainer.model_accepts_loss_kwargs = False
-    return (f"{type(model).__name__}'s loss ignores num_items_in_batch although its forward takes "
-            f"**kwargs: the Trainer now divides it by gradient_accumulation_steps, so every split of "
-            f"the effective batch trains on the same gradient (huggingface/transformers#47688)")
-
-
-def _trainer_class():
+def trainer_class():
     from transformers import Trainer
     return Trainer
 

@@ -62,21 +62,17 @@ from dataclasses import dataclass, field
 
 from autofit.plans import precision as precisions
 from autofit.estimator.capacity import PRECISION_POLICIES
-from autofit.engine.controller import Attempt
 from autofit.gpu.device import open_device
-from autofit.errors import DoesNotFit
 from autofit.plans.ladder import BUSY_FLOOR, Either, checkpointing, mixed_precision
-from autofit.gpu.memory import by_kind
-from autofit.gpu.oom import is_oom, summarize
 from autofit.plans.plan import Plan
 from autofit.sizes import format_size
 from autofit.estimator.start import tensor_budget
 from autofit.integrations import hf_recovery as recovery
 from autofit.integrations import hf_trainer as hf
+from autofit.integrations.hf_eval import EvalGuard
+from autofit.integrations.hf_loss import fix_loss_scaling
 
 log = logging.getLogger("autofit")
-
-MAX_ATTEMPTS = 32  # a ladder longer than this goes round in circles
 
 __all__ = ["TrainerEval", "TrainerPlan", "TrainerRun", "evaluate", "fit_trainer", "train"]
 
@@ -117,7 +113,7 @@ class TrainerRun:
     output: object                 # the transformers.TrainOutput of the attempt that finished
     plan: TrainerPlan              # the plan it finished with
     attempts: list = field(default_factory=list)       # list[autofit.Attempt], step = global step
-    eval_attempts: list = field(default_factory=list)  # list[hf_recovery.EvalAttempt]
+    eval_attempts: list = field(default_factory=list)  # list[hf_eval.EvalAttempt]
 
     @property
     def global_step(self) -> int:
@@ -127,7 +123,7 @@ class TrainerRun:
 @dataclass
 class TrainerEval:
     metrics: dict
-    attempts: list = field(default_factory=list)  # list[hf_recovery.EvalAttempt]
+    attempts: list = field(default_factory=list)  # list[hf_eval.EvalAttempt]
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -190,7 +186,7 @@ def _fit(trainer, device, precision: str) -> TrainerPlan:
     rows, policy, replicas = hf.rows_per_step(args), _policy(args, precision), hf.devices(args)
     budget = tensor_budget(device)
     keep_checkpointing = hf.checkpointing_on(trainer)
-    notes = tuple(n for n in [hf.fix_loss_scaling(trainer, device)] if n)
+    notes = tuple(n for n in [fix_loss_scaling(trainer, device)] if n)
     peak = None
     estimated = None if budget is None else hf.estimate_plan(trainer, device, budget, rows, policy)
     if estimated is None:
@@ -246,10 +242,10 @@ def train(trainer, budget=None, precision: str = "auto", **train_kwargs) -> Trai
         saves = recovery.tracker(device, trainer)
         trainer.add_callback(saves)
         eval_attempts: list = []
-        guard = recovery.EvalGuard(trainer, device, eval_attempts)
+        guard = EvalGuard(trainer, device, eval_attempts)
         try:
-            output, plan, attempts = _attempts(trainer, device, fitted, ladder, start, saves, origin,
-                                               train_kwargs, guard)
+            output, plan, attempts = recovery.TrainAttempts(trainer, device, fitted, ladder, start, saves,
+                                                            origin, train_kwargs).run(guard)
         finally:
             guard.remove()
             trainer.remove_callback(saves)
@@ -271,76 +267,6 @@ def _whole_run(trainer, output, saves):
     return output._replace(training_loss=loss, metrics={**output.metrics, "train_loss": loss})
 
 
-def _attempts(trainer, device, fitted, ladder, start, saves, origin, train_kwargs, guard):
-    plan, reason, checkpoint = fitted.plan, fitted.reason, origin
-    owns_optimizer = start.owns_optimizer if start is not None else trainer.optimizer is None
-    resumable = recovery.resumable_checkpoints(trainer.args)
-    attempts: list = []
-    seen = {plan}
-    baseline = device.memory_allocated()
-    while True:
-        device.reset_peak_memory_stats()
-        guard.begin_training()
-        failure = None
-        try:
-            output = trainer.train(resume_from_checkpoint=checkpoint, **train_kwargs)
-        except Exception as error:
-            if isinstance(error, DoesNotFit) or not is_oom(error):
-                raise  # DoesNotFit: an evaluation that fits nowhere, not a training OOM
-            optimizer = hf.raw_optimizer(trainer.optimizer) if trainer.optimizer is not None else None
-            failure = (summarize(error), by_kind(device, trainer.model, optimizer))
-            del optimizer
-        step = trainer.state.global_step
-        peak = guard.training_peak()
-        if failure is None:
-            attempts.append(Attempt(plan, "ok", reason, peak, step))
-            return output, plan, attempts
-        # Out of the except block: the failed attempt's frames are gone; free what they held.
-        text, memory = failure
-        attempts.append(Attempt(plan, "oom", reason, peak, step, text, "trainer.train", memory))
-        recovery.free_attempt(trainer, device, owns_optimizer)
-        recovery.check_freed(trainer, device, baseline)
-        taken = _next_down(ladder, plan, seen)
-        if taken is None:
-            raise DoesNotFit(
-                f"no plan of the ladder fits the Trainer's batch at global step {step} on "
-                f"{device.describe()} (effective batch {fitted.effective_batch} kept); lower the effective "
-                f"batch in the TrainingArguments or give a larger budget.", attempts=attempts,
-                breakdown=memory, budget=device.budget)
-        plan, why = taken
-        if len(attempts) >= MAX_ATTEMPTS:
-            raise DoesNotFit(f"gave up after {len(attempts)} out-of-memory attempts at global step {step} on "
-                             f"{device.describe()}; memory is too unsteady to settle on a plan.",
-                             attempts=attempts, breakdown=memory, budget=device.budget)
-        seen.add(plan)
-        checkpoint = saves.latest() if resumable else None
-        saves.resume_from(checkpoint)
-        if checkpoint is not None:
-            where = f"resumed from {checkpoint}"
-        elif origin is not None:
-            checkpoint, where = origin, f"no checkpoint saved yet: restarted from {origin}"
-        else:
-            start.restore()
-            where = "no checkpoint to resume from: restarted from the initial state"
-        reason = f"{why}; {where}"
-        log.warning("out of memory in trainer.train at global step %d under %s (%s); stepping down to %s",
-                    step, attempts[-1].plan.describe(), text, plan.describe())
-        hf.apply_plan(trainer, plan)
-
-
-def _next_down(ladder, plan: Plan, seen: set):
-    """The ladder's next plan not tried yet, with its reason; None when it has no step left."""
-    current, visited = plan, {plan}
-    while True:
-        taken = ladder.take(current)
-        if taken is None or taken[0] in visited:
-            return None  # no step left, or a move going round in circles
-        if taken[0] not in seen:
-            return taken
-        current = taken[0]
-        visited.add(current)
-
-
 # -- evaluate -----------------------------------------------------------------------------------
 
 def evaluate(trainer, budget=None, **evaluate_kwargs) -> TrainerEval:
@@ -350,7 +276,7 @@ def evaluate(trainer, budget=None, **evaluate_kwargs) -> TrainerEval:
     attempts: list = []
     with open_device(budget) as device:
         device.place_model(trainer.model)
-        guard = recovery.EvalGuard(trainer, device, attempts)
+        guard = EvalGuard(trainer, device, attempts)
         try:
             metrics = trainer.evaluate(**evaluate_kwargs)
         finally:

@@ -34,6 +34,8 @@ from autofit.plans.ladder import (
     offload_optimizer,
     phased,
 )
+from autofit.plans.plan import Plan
+from autofit.plans.sizelog import SizeLog
 
 log = logging.getLogger("autofit")
 
@@ -117,6 +119,19 @@ class Coupling:
         if not self.whole_first:
             return default_ladder(sizes, precision, bf16_supported)
         return whole_first_ladder(sizes, precision, bf16_supported, self.allow_split)
+
+    def whole_plans(self, global_batch: int, precision: str, bf16_supported: bool) -> list:
+        """The whole-batch plans this run's ladder tries before it splits, in its order, from the
+        plan a run starts with; [] when nothing keeps the batch whole first. The capacity check
+        starts from the first of them predicted to fit, as the ladder would reach it."""
+        if not self.whole_first:
+            return []
+        plan = Plan.for_batch(global_batch, precision="fp32" if precision == "auto" else precision)
+        ladder = whole_first_ladder(SizeLog(), precision, bf16_supported, allow_split=False)
+        plans = [plan]
+        while (plan := ladder(plan)) is not None:
+            plans.append(plan)
+        return plans
 
     def start(self, plan, reason: str, global_batch: int):
         """The start plan, made whole when splitting is forbidden."""

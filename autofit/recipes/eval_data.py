@@ -1,6 +1,6 @@
-"""Evaluation data: what may be evaluated, whether its batches match the training batches, and the
-order its units are read in (a map-style Dataset is collated as many samples at a time as the
-evaluation batch size)."""
+"""Evaluation's inputs: the arguments and the data that may be evaluated, whether its batches match
+the training batches, and the order its units are read in (a map-style Dataset is collated as many
+samples at a time as the evaluation batch size)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,23 @@ from autofit.engine.reading import rng_untouched
 def is_map_dataset(data) -> bool:
     from torch.utils.data import Dataset, IterableDataset
     return isinstance(data, Dataset) and not isinstance(data, IterableDataset)
+
+
+def check_arguments(model, loss_fn, metric_fn, batch_size, start_batch_size, device, budget) -> None:
+    """TypeError/ValueError naming the value for a bad argument of `autofit.evaluate`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    if metric_fn is not None and not callable(metric_fn):
+        raise TypeError(f"metric_fn must be a callable (output, batch) -> dict[str, float] but got "
+                        f"{metric_fn!r}.")
+    for name, value in (("batch_size", batch_size), ("start_batch_size", start_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None but got {value!r}.")
+    if device is not None and budget is not None:
+        raise ValueError("pass device= (an open autofit device) or budget=, not both; the device "
+                         "already has its budget.")
 
 
 def check_data(data) -> None:

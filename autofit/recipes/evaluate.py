@@ -33,17 +33,18 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from autofit.engine.attempt import Attempter, until_fits
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import slice_batch, token_counter
-from autofit.engine.controller import CUDA_BASELINE_SLACK
-from autofit.gpu.device import describe_tensors, open_device
-from autofit.recipes.eval_data import check_data, check_structure, is_map_dataset, units
-from autofit.errors import DoesNotFit, MemoryNotReleased, MetricError, NoLossError
-from autofit.gpu.oom import is_oom, release, summarize
-from autofit.sizes import format_size
+from autofit.gpu.device import open_device
+from autofit.recipes.eval_data import check_arguments, check_data, check_structure, is_map_dataset, units
+from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer  # noqa: F401  (their public path)
+from autofit.errors import DoesNotFit, MetricError, NoLossError
+from autofit.gpu.oom import is_oom
 from autofit.engine.step import compute_loss
 
 log = logging.getLogger("autofit")
@@ -55,62 +56,6 @@ DEFAULT_DATASET_BATCH = 128
 # gradients nor a second copy of anything, so several training micro-batches fit in its place.
 EVAL_START_FACTOR = 4
 RESERVED_KEYS = ("epoch", "loss", "samples", "batch_size")
-
-
-@dataclass(frozen=True)
-class EvalAttempt:
-    """One evaluation batch size tried: the first at each size, and every one that ran out of memory."""
-
-    batch_size: int        # rows put through one forward pass
-    outcome: str           # "ok" | "oom"
-    reason: str            # why this size was tried
-    batch: int = 0         # index of the data's batch (or of the Dataset chunk) being evaluated
-    first_sample: int = 0  # index of the first sample of the attempt in the evaluation data
-    peak_bytes: int = 0
-    error: str = ""        # the OOM message, for outcome "oom"
-
-    def describe(self) -> str:
-        text = f"evaluation batch {self.batch}: {self.batch_size} rows -> {self.outcome}"
-        if self.peak_bytes:
-            text += f" (peak {format_size(self.peak_bytes)})"
-        if self.outcome == "oom":
-            text += f": {self.error}"
-        return text + f" [{self.reason}]"
-
-
-@dataclass
-class EvalSizer:
-    """The evaluation batch size, remembered across calls (autofit.run keeps one per run).
-
-    `size`: rows per forward pass now (None: each batch as the data yields it); `fits`: the most
-    rows that ran; `fails`: the fewest rows that ran out of memory, never tried again.
-    """
-
-    size: int | None = None
-    fits: int = 0
-    fails: int | None = None
-
-    def rows(self, remaining: int, ceiling: int | None = None) -> int:
-        """Rows to evaluate next out of `remaining`; 0 when even one row is known to fail."""
-        size = remaining if self.size is None else self.size
-        if ceiling is not None:
-            size = min(size, ceiling)
-        if self.fails is not None:
-            size = min(size, self.fails - 1)
-        return max(min(size, remaining), 0)
-
-    def ok(self, rows: int) -> None:
-        self.fits = max(self.fits, rows)
-
-    def oom(self, rows: int) -> int | None:
-        """Record a failure at `rows`; the next size (halved), or None when one row failed."""
-        self.fails = rows if self.fails is None else min(self.fails, rows)
-        if self.fits >= rows:
-            self.fits = 0  # it fitted when more memory was free; not any more
-        if rows <= 1:
-            return None
-        self.size = rows // 2
-        return self.size
 
 
 @dataclass
@@ -156,7 +101,7 @@ class _Evaluator:
         self.model, self.device = model, device
         self.loss_fn, self.metric_fn = loss_fn, metric_fn
         self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
-        self.count_tokens = token_counter(model) if loss_fn is None else None
+        self.count_tokens = token_counter(model, device) if loss_fn is None else None
         self.reason = first_reason
         self.attempts: list[EvalAttempt] = []
         self.output = None  # the model's output of the current forward, for metric_fn
@@ -165,6 +110,10 @@ class _Evaluator:
         self.samples = 0
         self.metric_sums: dict[str, float] = {}
         self.final_rows = 0  # most rows run in one forward since the last step-down
+        self.trying = 0      # rows of the current attempt
+        # Whatever evaluation made is an inference tensor; training state (params, grads, optimizer)
+        # is not: those are what to name when memory stays above the baseline.
+        self.attempter = Attempter(device, holders=lambda: [t for t in device.live_tensors() if t.is_inference()])
 
     def capture(self, module, args, output):
         self.output = output
@@ -194,62 +143,58 @@ class _Evaluator:
     def evaluate_unit(self, index: int, first_sample: int, unit, rows: int) -> None:
         pos = 0
         while pos < rows:
-            size = self.sizer.rows(rows - pos, self.ceiling)
-            if size == 0:
-                raise DoesNotFit(
-                    f"evaluation of one row ran out of memory earlier (batch {index}) on "
-                    f"{self.device.describe()}; free memory held outside the model (an old optimizer, "
-                    f"outputs kept in a list) or evaluate with a larger budget.", attempts=self.attempts,
-                    budget=self.device.budget)
-            part = slice_batch(unit, pos, pos + size)
-            baseline = self.device.memory_allocated()
-            self.device.reset_peak_memory_stats()
-            failure = None
-            try:
-                loss, weight, metrics = self.forward(part, index, first_sample + pos, size)
-            except Exception as error:
-                if not is_oom(error):
-                    raise
-                failure = summarize(error)
-            self.output = None
-            peak = self.device.max_memory_allocated()
-            if failure is None:
-                del part
-                self.accept(loss, weight, metrics, size, index, first_sample + pos, peak)
-                pos += size
-                continue
-            # Out of the except block: the attempt's frames are gone; free what they held.
-            del part
-            release(self.device)
-            self.check_baseline(baseline)
-            self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first_sample + pos, peak,
-                                             failure))
-            new = self.sizer.oom(size)
-            if new is None:
-                raise DoesNotFit(
-                    f"evaluation ran out of memory with a batch of 1 row (batch {index}, sample "
-                    f"{first_sample + pos}) on {self.device.describe()}; the training plan is "
-                    f"untouched. Free memory held outside the model (an old optimizer, outputs kept "
-                    f"in a list) or evaluate with a larger budget.", attempts=self.attempts,
-                    budget=self.device.budget)
-            self.reason = f"halved after {size} rows ran out of memory"
-            self.final_rows = 0
-            log.warning("evaluation ran out of memory with %d rows (%s); halving to %d", size, failure, new)
+            first = first_sample + pos
+            outcome = until_fits(partial(self.attempt, unit, index, first, pos, rows),
+                                 partial(self.after_oom, index=index, first=first))
+            self.accept(*outcome.value, index, first, outcome.peak)
+            pos += self.trying
+
+    def attempt(self, unit, index: int, first: int, pos: int, rows: int):
+        """One forward of as many rows from `pos` as the sizer allows now."""
+        size = self.trying = self.sizer.rows(rows - pos, self.ceiling)
+        if size == 0:
+            raise DoesNotFit(
+                f"evaluation of one row ran out of memory earlier (batch {index}) on "
+                f"{self.device.describe()}; free memory held outside the model (an old optimizer, "
+                f"outputs kept in a list) or evaluate with a larger budget.", attempts=self.attempts,
+                budget=self.device.budget)
+        self.device.reset_peak_memory_stats()
+        return self.attempter(lambda: self.forward(slice_batch(unit, pos, pos + size), index, first, size)
+                              + (size,), peak=self.device.max_memory_allocated)
+
+    def after_oom(self, outcome, index: int, first: int) -> bool:
+        size = self.trying
+        self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
+        new = self.sizer.oom(size)
+        if new is None:
+            raise DoesNotFit(
+                f"evaluation ran out of memory with a batch of 1 row (batch {index}, sample "
+                f"{first}) on {self.device.describe()}; the training plan is "
+                f"untouched. Free memory held outside the model (an old optimizer, outputs kept "
+                f"in a list) or evaluate with a larger budget.", attempts=self.attempts,
+                budget=self.device.budget)
+        self.reason = f"halved after {size} rows ran out of memory"
+        self.final_rows = 0
+        log.warning("evaluation ran out of memory with %d rows (%s); halving to %d", size, outcome.error, new)
+        return True
 
     def forward(self, part, index: int, first: int, size: int):
         """One evaluation batch: (loss as a float, its weight, metrics). Allocates on the device."""
         weight = self.count_tokens(part) if self.count_tokens is not None else None
         if weight is None:
             weight = size
-        with torch.inference_mode():
-            part = self.device.to_device(part)
-            try:
-                loss = compute_loss(self.model, part, self.loss_fn)
-            except NoLossError as error:
-                raise NoLossError(f"cannot evaluate {type(self.model).__name__}: {error}") from None
-            value = loss.float().item() if weight else 0.0  # a batch with no label token has no loss
-            del loss
-            metrics = self.metrics(part, index, first, size) if self.metric_fn is not None else None
+        try:
+            with torch.inference_mode():
+                part = self.device.to_device(part)
+                try:
+                    loss = compute_loss(self.model, part, self.loss_fn)
+                except NoLossError as error:
+                    raise NoLossError(f"cannot evaluate {type(self.model).__name__}: {error}") from None
+                value = loss.float().item() if weight else 0.0  # a batch with no label token has no loss
+                del loss
+                metrics = self.metrics(part, index, first, size) if self.metric_fn is not None else None
+        finally:
+            self.output = None  # the hook's output of this forward, passed to metric_fn only
         return value, weight, metrics
 
     def metrics(self, part, index: int, first: int, size: int) -> dict:
@@ -292,15 +237,6 @@ class _Evaluator:
                 self.metric_sums[key] = self.metric_sums.get(key, 0.0) + v * size
         self.samples += size
 
-    def check_baseline(self, baseline: int) -> None:
-        slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
-        extra = self.device.memory_allocated() - baseline
-        if extra <= slack:
-            return
-        # Whatever evaluation made is an inference tensor; training state (params, grads, optimizer) is not.
-        holders = [t for t in self.device.live_tensors() if t.is_inference()]
-        raise MemoryNotReleased(extra, describe_tensors(holders) if holders else "no tensor Python can see")
-
 
 def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_fn=None, device=None,
              start_batch_size=None, sizer=None, expect_like=None, progress=False) -> EvalResult:
@@ -320,19 +256,7 @@ def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_
     The model's train/eval mode (each submodule's) is restored afterwards, also on error; parameters,
     gradients and the optimizer are never touched.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
-    if metric_fn is not None and not callable(metric_fn):
-        raise TypeError(f"metric_fn must be a callable (output, batch) -> dict[str, float] but got "
-                        f"{metric_fn!r}.")
-    for name, value in (("batch_size", batch_size), ("start_batch_size", start_batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None but got {value!r}.")
-    if device is not None and budget is not None:
-        raise ValueError("pass device= (an open autofit device) or budget=, not both; the device "
-                         "already has its budget.")
+    check_arguments(model, loss_fn, metric_fn, batch_size, start_batch_size, device, budget)
     check_data(data)
     sizer = sizer if sizer is not None else EvalSizer()
     if sizer.size is not None:

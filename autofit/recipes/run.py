@@ -35,7 +35,7 @@ class RunResult:
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
-        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True):
+        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True, shard=False):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -50,7 +50,9 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     Under torch.distributed (e.g. torchrun) every rank calls `run`, each with its own share of the
     data (a DataLoader with a DistributedSampler; autofit calls its set_epoch each epoch) or all
     with the same global batches; each rank trains its share of every global batch, and all ranks
-    keep the same plan (see autofit.distributed.lockstep).
+    keep the same plan (see autofit.distributed.lockstep). A model sharded with FSDP2's `fully_shard`
+    is trained as it is (each rank steps its shards); `shard=True` applies fully_shard to each
+    transformer block and the root first (autofit.distributed.fsdp; pass an optimizer factory).
 
     `allow_split=False` never splits a global batch into micro-batches (what a model with
     BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
@@ -66,7 +68,8 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     # The lockstep opens here, before the data is read: every failure after this is announced.
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=progress, capacity_check=capacity_check, allow_split=allow_split)
+                        progress=progress, capacity_check=capacity_check, allow_split=allow_split,
+                        shard=shard)
     with training.lockstep.scope():
         return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
                     eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
@@ -123,7 +126,7 @@ def _train(training, epoch_batches, epochs, result, progress, evaluation=None) -
             step = training.step
             loss = training.train(batch)
             plan = training.plan
-            result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": rows_of(batch),
+            result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": training.lockstep.global_rows,
                                    "plan": plan, "grad_norm": training.runner.grad_norm})
             if bar is not None:
                 bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}")

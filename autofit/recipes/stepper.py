@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from autofit.engine.controller import Attempt
+from autofit.errors import DoesNotFit
 from autofit.plans.ladder import SizeLog
 from autofit.plans.plan import Plan
 from autofit.recipes.training import Training
@@ -44,10 +45,14 @@ class Step:
         if training.closed:
             raise RuntimeError("this stepper's block has ended; open a new `with autofit.stepper(...)` "
                                "to train more.")
-        if training.controller is None:  # the first batch: the cache and the capacity check use it
-            training.start(batch, resume=self._resume)
         index = len(training.attempts)
-        loss = training.train(batch)
+        try:
+            if training.controller is None:  # the first batch: the cache and the capacity check use it
+                training.start(batch, resume=self._resume)
+            loss = training.train(batch)
+        except DoesNotFit as error:  # caught inside the block too: the same message as autofit.run's
+            training.explain_refusal(error)
+            raise
         return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
                           grad_norm=training.runner.grad_norm)
 
@@ -107,12 +112,15 @@ class Step:
             self._resume = (plan, sizes)
             return
         training.sizes.fits, training.sizes.fails = sizes.fits, sizes.fails
-        training.controller.plan, training.controller.reason = plan, "resumed: the plan and sizes of a state_dict"
+        controller = training.controller
+        controller.plan, controller.reason = training.coupling.start(
+            plan, "resumed: the plan and sizes of a state_dict", controller.plan.global_batch)
 
 
 @contextlib.contextmanager
 def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
-            max_grad_norm=None, ladder=None, cache=True, capacity_check=True):
+            max_grad_norm=None, ladder=None, cache=True, capacity_check=True, allow_split=True,
+            shard=False):
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
     `StepOutput` (.loss, .plan, .attempts, .grad_norm).
 
@@ -120,12 +128,15 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
     instance built on that optimizer, or a factory optimizer -> scheduler; stepped once per global
     batch, never for a failed attempt. `loss_fn`, `budget`, `precision`, `ladder`, `cache` mean what
     they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
+    `allow_split=False` never splits a global batch into micro-batches (what a model with
+    batch-coupled layers may need), as for `autofit.run`; a resumed plan that splits is made whole.
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
     `step` with its own share of each global batch (as a DistributedSampler gives it; call its
-    set_epoch yourself) or with the same global batches, as with `autofit.run`.
+    set_epoch yourself) or with the same global batches, as with `autofit.run`; `shard` as there.
     """
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=True, capacity_check=capacity_check)
+                        progress=True, capacity_check=capacity_check, allow_split=allow_split,
+                        shard=shard)
     with training:
         yield Step(training)

@@ -17,11 +17,15 @@ import gc
 import logging
 import sys
 
+import torch
+
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
-from autofit.distributed.lockstep import DistributedStepRunner, open_lockstep
+from autofit.distributed.fsdp import shard as shard_model
+from autofit.distributed.lockstep import open_lockstep
+from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
@@ -43,10 +47,17 @@ class Training:
 
     def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
                  precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
-                 capacity_check=True, allow_split=True):
+                 capacity_check=True, allow_split=True, shard=False):
         check_training_options(model=model, precision=precision, loss_fn=loss_fn,
                                max_grad_norm=max_grad_norm)
-        lockstep = open_lockstep(model)  # None unless torch.distributed is initialised
+        if not isinstance(shard, bool):
+            raise TypeError(f"shard must be True or False but got {shard!r}.")
+        if shard and isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError("shard=True replaces the model's parameters by their shards, so an optimizer "
+                             "built on them would step tensors no longer trained; pass a factory (e.g. "
+                             "torch.optim.AdamW or lambda params: ...) instead of an instance.")
+        self.shard = shard
+        lockstep = open_lockstep(model, shard=shard)  # None unless torch.distributed is initialised
         self.distributed = lockstep is not None
         self.lockstep = lockstep = lockstep or Local(model)
         model = lockstep.module  # under DDP the module it runs (the user's DDP's), no wrapper
@@ -75,6 +86,8 @@ class Training:
         self._stack.enter_context(lockstep.scope())
         try:
             model = self.model
+            if self.shard:  # before the optimizer is built: it steps the shards
+                shard_model(model)
             device.place_model(model)
             self.was_training = model.training
             model.train()
@@ -134,7 +147,8 @@ class Training:
                 guide = None if self.distributed else \
                     make_guide(device, memo.calibration(budget_caps(device)))
                 estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
-                                            lockstep.estimate_view(device), precision, sizes, guide)
+                                            lockstep.estimate_view(device), precision, sizes,
+                                            coupling=self.coupling, guide=guide)
                 if estimated is not None:
                     self.guide = guide
                     start, reason = estimated
@@ -145,14 +159,16 @@ class Training:
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
         start, reason = self.coupling.start(start, reason, first_rows)
         moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
-        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device)
+        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
+                                   probe=lockstep.sharded is None)
         count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
         if not self.distributed:
             self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
         else:
-            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, **options)
+            sync = lockstep.sharded.sync if lockstep.sharded is not None else None  # FSDP's gradient sync
+            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync, **options)
         self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
                                      quiet=not self.progress, settle_within=settle_within,
                                      guide=self.guide)
@@ -170,10 +186,12 @@ class Training:
 
     def train(self, batch) -> float:
         """Train one global batch (replayed on OOM); returns its loss."""
-        loss = self.controller.train(self.lockstep.next_batch(batch), self.step)
+        lockstep = self.lockstep
+        count = self.runner.count if self.distributed else None  # weighs each rank's share
+        loss = self.controller.train(lockstep.next_batch(batch, count), self.step)
         self.watch.after_step(self.step, self.controller.plan, batch)
         self.step += 1
-        self.samples += rows_of(batch)
+        self.samples += lockstep.global_rows  # the global batch's rows, every rank's share counted
         return loss
 
     def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
@@ -185,6 +203,14 @@ class Training:
                         expect_like=expect_like, progress=progress, start_batch_size=start)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
+    def explain_refusal(self, error: DoesNotFit) -> None:
+        """Say in `error` (once) that splitting was forbidden, and what the user's code kept."""
+        if self.coupling.refusal() and not getattr(error, "refusal_said", False):
+            error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
+            error.refusal_said = True
+        if self.watch is not None:
+            error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+
     def __exit__(self, kind, error, traceback) -> bool:
         try:
             if error is None:
@@ -194,9 +220,7 @@ class Training:
                                        self.samples, calibration=self.controller.guide.measured,
                                        calibrated=budget_caps(self.device))
             elif isinstance(error, DoesNotFit) and self.watch is not None:
-                if self.coupling.refusal():
-                    error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
-                error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+                self.explain_refusal(error)
         except BaseException:
             self._close()
             if not self._stack.__exit__(*sys.exc_info()):
@@ -267,11 +291,14 @@ class Local:
     def local(self, batch):
         return batch
 
-    def next_batch(self, batch):
+    def next_batch(self, batch, count=None):
+        self.global_rows = rows_of(batch)
         return batch
 
     def check_dataset(self, length: int, batch_size: int) -> None:
         pass
+
+    sharded = None
 
     def finish(self) -> None:
         pass

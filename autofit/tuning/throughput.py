@@ -123,7 +123,7 @@ def measure(model, optimizer, device, plan: Plan, batches: list, *, warmup: int,
     """
     model.train()
     runner = StepRunner(model, optimizer, device, loss_fn=loss_fn,
-                        count_tokens=token_counter(model) if loss_fn is None else None)
+                        count_tokens=token_counter(model, device) if loss_fn is None else None)
     controller = Controller(runner, Stay(), plan, reason="tune: measure this plan", probe_up=False,
                             quiet=True)
     start = end = None

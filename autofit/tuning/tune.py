@@ -68,6 +68,7 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Attempt
 from autofit.gpu.device import open_device
 from autofit.engine.inputs import build_optimizer, global_batches
+from autofit.engine.replay import rng_state, set_rng_state
 from autofit.plans.ladder import SizeLog, config_of
 from autofit.cache.memo import Memo
 from autofit.plans.plan import PRECISIONS
@@ -270,15 +271,12 @@ def take_batches(batches, count: int) -> list:
 
 @contextlib.contextmanager
 def kept_rng():
-    """Tuning draws from no random stream the user sees: torch's generators are put back after."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    """Tuning draws from no random stream the user sees: the global generators are put back after."""
+    state = rng_state()
     try:
         yield
     finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_state(state)
 
 
 def _refuse_distributed() -> None:

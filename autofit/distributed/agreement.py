@@ -1,0 +1,195 @@
+"""One agreement between the ranks: what each reports (a fixed-size header of floats, plus a text
+when any rank failed) and what every rank concludes from the same table (`Verdict`). The phases
+name where a rank was when it reported, for the errors the others raise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+
+import torch
+
+from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
+from autofit.gpu.oom import is_oom, summarize
+from autofit.plans.plan import Plan
+
+OK, OOM, ERROR = 0, 1, 2
+HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES = range(9)
+PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
+          "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
+          "in evaluation", "counting the global batch")
+FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
+MESSAGE_BYTES = 1024
+
+
+def plan_hash(plan: Plan | None) -> int:
+    """A 32-bit hash of a plan (exact in the float64 header); 0 for no plan."""
+    if plan is None:
+        return 0
+    return zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode()) + 1
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {summarize(error)}"
+
+
+class Verdict:
+    """What every rank reported at one agreement; each rank reads the same table."""
+
+    def __init__(self, rank: int, phase: int, rows: list[list[float]], messages: list[str] | None,
+                 n_fields: int):
+        self.rank, self.phase, self.messages = rank, phase, messages
+        self.headers = [dict(zip(FIELDS, row[:n_fields])) for row in rows]
+        self.masks = [row[n_fields:] for row in rows]
+        codes = [int(h["code"]) for h in self.headers]
+        self.errors = [r for r, c in enumerate(codes) if c == ERROR]
+        self.ooms = [r for r, c in enumerate(codes) if c == OOM]
+        self.own = codes[rank]
+        self.mismatch = self._mismatch()
+
+    def _mismatch(self) -> str | None:
+        alive = [(r, h) for r, h in enumerate(self.headers) if int(h["code"]) != ERROR]
+        if len({h["model"] for _, h in alive}) > 1:
+            groups = {}
+            for r, h in alive:
+                groups.setdefault(int(h["model"]), []).append(str(r))
+            shown = "; ".join(f"ranks {', '.join(g)}: {m:08x}" for m, g in groups.items())
+            return (f"the ranks' models differ (hashes of their parameters' and buffers' names, shapes "
+                    f"and dtypes: {shown}); give every rank the same model.")
+        if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
+            return None
+        where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
+                          f"{', plan hash %d' % int(h['plan']) if h['plan'] else ''}" for r, h in alive)
+        return (f"the ranks are out of step: {where}. Give every rank the same global batches (the "
+                f"same number of them, each divisible by the world size) and the same model, "
+                f"optimizer and ladder.")
+
+    @property
+    def terminal(self) -> bool:
+        return bool(self.errors) or self.mismatch is not None
+
+    def keeps_own(self) -> bool:
+        """Whether this rank re-raises its own failure: a non-OOM error always; an OOM unless the run
+        must stop for another reason."""
+        return self.own == ERROR or (self.own == OOM and not self.terminal)
+
+    def raise_for_peers(self) -> None:
+        """Raise what the other ranks' outcomes mean for this rank (nothing when all succeeded)."""
+        if self.errors:
+            r = self.errors[0]
+            text = self.messages[r] if self.messages else "an error"
+            where = PHASES[int(self.headers[r]["phase"])]
+            raise RankFailed(f"rank {r} failed with {text} ({where}); every rank stops, "
+                             f"this is rank {self.rank}. The error and its traceback are in rank {r}'s "
+                             f"output.", rank=r, error=text)
+        if self.mismatch is not None:
+            raise LockstepError(self.mismatch)
+        if self.ooms:
+            shown = "; ".join(f"rank {r}: {self.messages[r]}" for r in self.ooms)
+            raise PeerOutOfMemory(f"out of memory on another rank ({shown}); every rank drops this "
+                                  f"attempt")
+
+    def values(self, name: str = "value") -> list[float]:
+        return [h[name] for h in self.headers]
+
+    def any_flag(self) -> bool:
+        return any(h["flag"] for h in self.headers)
+
+
+class Agreement:
+    """The agreements of one run over a CPU group (`agreement_group`); the subclass sets `rank`,
+    `world`, `group`, `step`, `model_hash`, `met` and `mask_size` (entries per header once met)."""
+
+    settled = False  # the other ranks know how this rank's run ends: no farewell
+    _host = contextlib.nullcontext
+
+    def _cpu_group(self, separate: bool = False):
+        """The gloo group agreements run on: the training group itself when it is gloo, unless
+        `separate` (FSDP runs collectives of its own in forward and backward: on another group, a
+        rank waiting in one of them never trades data with a rank at an agreement)."""
+        dist = torch.distributed
+        backend = str(dist.get_backend(self.group))
+        if "gloo" in backend and not separate:
+            return self.group
+        if self.world != dist.get_world_size():
+            raise ValueError(f"the DDP process group is a {backend} subgroup; autofit's agreement needs "
+                             f"gloo on it. Initialise with backend='cpu:gloo,cuda:nccl' or use the "
+                             f"whole world.")
+        return dist.new_group(backend="gloo")
+
+    # -- agreements ----------------------------------------------------------------------------
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        try:
+            torch.distributed.all_gather(out, tensor, group=self.agreement_group)
+        except Exception as error:
+            self.settled = True  # the collective itself is broken: a farewell would wait for nothing
+            raise LockstepError(f"the agreement between ranks failed on rank {self.rank}: "
+                                f"{_describe(error)}; another rank has probably died or timed "
+                                f"out.") from error
+        return out
+
+    def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
+                 value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
+                 mask: list[float] | None = None, host=contextlib.nullcontext) -> Verdict:
+        """One agreement. Call it outside any `except` block (an error raised here must not look
+        like it was raised while handling an OOM)."""
+        code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
+        n = len(FIELDS)
+        with host():  # tiny CPU tensors that must never count against a simulated budget
+            header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
+            header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
+                                       float(flag), self.model_hash], dtype=torch.float64)
+            if mask is not None and self.met:
+                header[n:] = torch.tensor(mask, dtype=torch.float64)
+            rows = [t.tolist() for t in self._all_gather(header)]
+            messages = None
+            if any(int(row[0]) != OK for row in rows):
+                text = b"" if failure is None else _describe(failure).encode()[:MESSAGE_BYTES]
+                buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+                buffer[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+                messages = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
+                            for t in self._all_gather(buffer)]
+        verdict = Verdict(self.rank, phase, rows, messages, n)
+        if verdict.terminal:
+            self.settled = True
+        return verdict
+
+    def agree(self, phase: int, failure: BaseException | None = None, **fields) -> Verdict:
+        """An agreement after which this rank raises what it must: its own failure, or what the
+        others' outcomes mean. Returns the verdict when every rank succeeded."""
+        verdict = self.exchange(phase, failure=failure, **fields)
+        if failure is not None and verdict.keeps_own():
+            try:
+                raise failure
+            finally:
+                failure = None  # no frame -> traceback -> frame cycle pinning the attempt's tensors
+        failure = None
+        verdict.raise_for_peers()
+        return verdict
+
+    def farewell(self, error: BaseException) -> None:
+        """Tell the other ranks, at their next agreement, that this rank ends with `error`."""
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            self.exchange(FAREWELL, failure=error, host=self._host)
+        except Exception:
+            pass  # the others are gone already; this rank's own error is what matters
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Around a run: an error that escapes without the others knowing is announced to them."""
+        try:
+            yield self
+        except Exception as error:
+            self.farewell(error)
+            raise
+
+    def _global(self, group_rank: int) -> int:
+        group = self.agreement_group
+        if group is None or group is torch.distributed.group.WORLD:
+            return group_rank
+        return torch.distributed.get_global_rank(group, group_rank)

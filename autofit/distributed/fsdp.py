@@ -1,0 +1,206 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): telling a sharded model, finding its blocks, sharding.
+
+A model is sharded when some parameter is a DTensor (fully_shard replaced it by this rank's shard).
+`shard(model)` is what `shard=True` does for a user who has not sharded: fully_shard on each
+transformer block (the model's own block classes: Hugging Face's `_no_split_modules`, else the
+classes repeated in a ModuleList) and then on the root, the layout PyTorch's FSDP2 examples use.
+The estimator reads the same blocks (`blocks`) to size the largest all-gathered unit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch.distributed not built
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` holds FSDP2-sharded parameters (DTensors), e.g. after `fully_shard`."""
+    return isinstance(model, torch.nn.Module) and any(is_dtensor(p) for p in model.parameters())
+
+
+def fsdp_units(model) -> list:
+    """The modules fully_shard was applied to (each all-gathers its parameters as one unit), root
+    last when it is one."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return sorted(units, key=lambda m: m is model)
+
+
+def sharding(model) -> dict:
+    """How `model` is spread over the ranks, for the cache key: {"sharding": "fsdp2", "units": the
+    names of the modules fully_shard was applied to} or {"sharding": "replicated"}."""
+    if not is_sharded(model):
+        return {"sharding": "replicated"}
+    units = {id(m) for m in fsdp_units(model)}
+    return {"sharding": "fsdp2", "units": [name for name, m in model.named_modules() if id(m) in units]}
+
+
+def block_classes(model: torch.nn.Module) -> set[type]:
+    """The model's block classes: Hugging Face's `_no_split_modules` (the classes it never splits
+    across devices: its layers, and e.g. BERT's embeddings), else the one class of the children of
+    a ModuleList that repeats it."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return found or {type(m[0]) for m in _repeating_lists(model)}
+
+
+def _repeating_lists(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+            and len({type(child) for child in m}) == 1]
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The block instances `shard` wraps, in module order: those of `_no_split_modules`' classes,
+    else the children of repeating ModuleLists; a block inside a block is not one."""
+    if getattr(model, "_no_split_modules", None):
+        classes = block_classes(model)
+        chosen = {id(m) for m in model.modules() if type(m) in classes and m is not model}
+    else:
+        chosen = {id(child) for m in _repeating_lists(model) for child in m}
+    out, inside = [], []
+    for name, m in model.named_modules():
+        if id(m) in chosen and not any(name.startswith(p + ".") for p in inside):
+            out.append(m)
+            inside.append(name)
+    return out
+
+
+def shard(model: torch.nn.Module, **options) -> torch.nn.Module:
+    """fully_shard each block of `model` and then the root, in place; `options` go to fully_shard
+    (mesh, reshard_after_forward, mp_policy, offload_policy). Returns the model."""
+    from torch.distributed.fsdp import fully_shard
+    if is_sharded(model):
+        raise ValueError(f"{type(model).__name__} is sharded already (its parameters are DTensors); "
+                         f"pass shard=False to train it as it is.")
+    found = blocks(model)
+    if not found:
+        raise ValueError(f"shard=True found no transformer blocks in {type(model).__name__} (no "
+                         f"_no_split_modules, no ModuleList of one repeated class); apply "
+                         f"torch.distributed.fsdp.fully_shard yourself and pass the sharded model.")
+    for block in found:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+class Sharded:
+    """FSDP2's switches for one run of a sharded model, handed back as they were by `close`.
+
+    Gradients are summed over the ranks (divide factor 1: autofit weights every micro-batch by its
+    share of the global batch, as it does under DDP); every micro-batch but a global batch's last
+    runs with gradient sync off, so the reduce-scatter runs once per global batch; a failed attempt
+    reshards every unit, so the replay starts from the sharded state the step began with."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.units = fsdp_units(model)
+        self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
+                        g.all_reduce_grads)
+                       for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
+        for unit in self.units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+    def guard(self, check) -> None:
+        """Call `check(unit_bytes)` before each unit gathers its parameters in forward, while armed:
+        the lockstep's agreement, so a rank that failed earlier in the attempt stops the others
+        before a collective it would never join (see autofit.distributed.lockstep)."""
+        self.armed = False
+        self.hooks = []
+        for unit in self.units:
+            size, device = _gathered(unit)
+            self.hooks.append(unit.register_forward_pre_hook(
+                lambda module, args, size=size, device=device: check(size, device) if self.armed else None,
+                prepend=True))
+
+        # And once more when backward reaches the model's outputs, before any unit gathers again or
+        # reduces: a rank that failed after the last gather of forward (a loss_fn) meets it there.
+        def outputs_done(module, args, output):
+            from autofit.engine.batches import _fields
+            leaves = [t for _, t in _fields(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.armed and leaves:
+                torch.autograd.graph.register_multi_grad_hook(leaves, lambda grads: check(0, None),
+                                                              mode="any")
+        if self.units:
+            self.hooks.append(self.model.register_forward_hook(outputs_done, prepend=True))
+
+    def sync(self, i: int, last: bool):
+        """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`)."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+        return _NULL
+
+    def abandon(self) -> None:
+        """After a failed attempt: every unit back to sharded and idle, whatever phase the failure
+        interrupted (FSDP itself expects each forward to finish: its state says where it stopped),
+        and nothing of the attempt's gathers kept."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        for unit in self.units:
+            state = unit._get_fsdp_state()
+            state._training_state = TrainingState.IDLE
+            state._comm_ctx.all_gather_state = None
+            state._state_ctx.iter_forward_root = None
+            state._state_ctx.post_backward_final_callback_queued = False
+            for group in state._fsdp_param_groups:
+                group._training_state = TrainingState.IDLE
+                group._all_gather_result = None
+                group.reshard()
+        self.settle()
+
+    def settle(self) -> None:
+        """Show the memory counter the gathered parameters FSDP freed: FSDP frees them by resizing
+        their storage to 0, which no tensor operation reports (a simulated GPU would count them
+        as still held); one empty `set_` on each such storage reports its size as it is now."""
+        with torch.no_grad():
+            for unit in self.units:
+                for group in unit._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        for t in getattr(fp, "all_gather_outputs", None) or ():
+                            if t.untyped_storage().nbytes() == 0:
+                                torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+
+    def close(self) -> None:
+        for hook in getattr(self, "hooks", ()):
+            hook.remove()
+        for g, factor, force_sum, reduce, all_reduce in self._saved:
+            g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
+            g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+
+
+def _gathered(unit) -> tuple[int, torch.device | None]:
+    """(bytes of the parameters `unit` all-gathers itself, not its sub-units', the shards' device)."""
+    params = [fp.sharded_param for group in unit._get_fsdp_state()._fsdp_param_groups
+              for fp in group.fsdp_params]
+    size = sum(p.numel() * p.element_size() for p in params)  # numel of a DTensor: the whole tensor's
+    return size, (params[0].device if params else None)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

@@ -1,0 +1,74 @@
+"""The global step of one rank in lockstep with the others (see autofit.distributed.lockstep): every
+micro-batch weighted by its share of the global batch (all ranks' rows or label tokens), one
+agreement after backward, the gradients summed, one optimizer step agreed inside the atomic step."""
+
+from __future__ import annotations
+
+import math
+
+from autofit.distributed.agreement import BACKWARD
+from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import weights
+from autofit.engine.step import StepRunner
+from autofit.plans.ladder import config_of
+
+
+class DistributedStepRunner(StepRunner):
+    """A StepRunner whose global step is agreed between the ranks (see the module's docstring)."""
+
+    phase_steers_ladder = False  # ranks fail in different phases; all must step down alike
+
+    def __init__(self, model, optimizer, device, *, lockstep, **kwargs):
+        super().__init__(model, optimizer, device, **kwargs)
+        self.lockstep = lockstep
+        # A share with no label token adds nothing (its loss is 0/0); FSDP communicates inside
+        # every micro-batch's forward and backward, so there none may be skipped.
+        self.skip_empty = lockstep.sharded is None
+
+    def abandon(self) -> None:
+        super().abandon()
+        if self.lockstep.sharded is not None:
+            self.lockstep.sharded.abandon()
+
+    def count(self, batch) -> float:
+        """What a batch weighs: its label tokens for a token-level loss, else its rows."""
+        tokens = self.count_tokens(batch) if self.count_tokens is not None else None
+        return float(rows_of(batch) if tokens is None else tokens)
+
+    def _shares(self, batch, parts):
+        lock = self.lockstep
+        if not lock.per_rank:
+            # Each micro-batch's share of the whole global batch, which every rank holds.
+            return weights(lock.global_batch, parts, self.count_tokens)
+        # Each micro-batch's share of the ranks' batches together (counted at their agreement).
+        return [self.count(part) / lock.global_count for part in parts]
+
+    def run(self, batch, plan) -> float:
+        lock = self.lockstep
+        failure, value, mask, at_risk = None, 0.0, None, False
+        lock.attempt_plan, lock.attempt_agreed = plan, False
+        sharded = lock.sharded
+        try:
+            if sharded is not None:
+                sharded.armed = True  # each unit's gather waits for an agreement first
+            value = self._accumulate(batch, plan).item()
+            mask = lock.replicas.fill_missing_grads()
+            at_risk = self.offloaded is None and self.atomic.at_risk(config_of(plan))
+        except Exception as error:
+            failure = error
+        finally:
+            if sharded is not None:
+                sharded.armed = False
+        if lock.attempt_agreed:  # every rank already knows how this attempt ended
+            try:
+                raise failure
+            finally:
+                failure = None
+        verdict = lock.agree(BACKWARD, failure, value=value, flag=at_risk, plan=plan, mask=mask,
+                             host=self.device.host)
+        lock.replicas.reduce_grads(verdict)  # FSDP reduced its shards' gradients in backward
+        lock.replicas.broadcast_buffers()    # before the step: nothing after its agreement communicates
+        self._step(plan, guard=verdict.any_flag(), wrap=lambda step: lock.agreed_step(step, plan))
+        if lock.sharded is not None:
+            lock.sharded.settle()
+        return math.fsum(verdict.values())

@@ -1,0 +1,214 @@
+"""The attempt: one try of some work on the device, and the walk down that tries again until one fits.
+
+`Attempter` runs one attempt: only an out-of-memory error is caught (`oom.is_oom`), and all that
+happens to it inside the `except` block is reading it (its first line, and what the caller's
+`inspect` reads at the failure). Everything else runs after the block has exited, when no frame of
+the failed attempt is alive to pin what it allocated: the caller's own `free`, `oom.release`, then
+the check that allocated memory is back at its pre-attempt baseline (else `MemoryNotReleased`,
+naming the bytes and the tensors that hold them). `until_fits` repeats attempts, letting the caller
+record each failure and step down, until one fits or nothing is left to try; `next_down` is the
+walk down a ladder that passes over plans already known to fail.
+
+Training (`engine/controller`), evaluation (`recipes/evaluate`) and the Hugging Face Trainer's
+recovery (`integrations/hf_recovery`, `integrations/hf_eval`) all go through these.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
+from tenacity.stop import stop_base
+
+from autofit.errors import MemoryNotReleased
+from autofit.gpu.device import describe_tensors
+from autofit.gpu.memory import by_kind
+from autofit.gpu.oom import is_oom, release, summarize
+from autofit.plans.ladder import step_down
+from autofit.plans.plan import Plan
+from autofit.sizes import format_size
+
+log = logging.getLogger("autofit")
+
+CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of one global batch under one plan."""
+
+    plan: Plan
+    outcome: str            # "ok" | "oom"
+    reason: str             # why this plan was tried
+    peak_bytes: int
+    step: int = 0           # the global step (0-based) the attempt belonged to
+    error: str = ""         # the OOM message, for outcome "oom"
+    where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
+    memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
+                                                # optimizer step's own temporaries, for its phases)
+
+    def describe(self) -> str:
+        text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
+        if self.peak_bytes:
+            text += f" (peak {format_size(self.peak_bytes)})"
+        if self.outcome == "oom":
+            text += f" in {self.where}: {self.error}"
+        return text + f" [{self.reason}]"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt came to; it holds no exception, traceback or tensor of the attempt."""
+
+    ok: bool
+    value: object = None    # what the work returned, when ok
+    error: str = ""         # the first line of the OOM message, when not
+    found: object = None    # what `inspect(error)` read at the failure, inside the except block
+    peak: int = 0           # the attempt's peak, as the caller's `peak()` reads it
+    baseline: int = 0       # bytes allocated on the device before the attempt
+
+
+def outside(device, model=None, optimizer=None):
+    """A `holders` for `Attempter`: the live device tensors that are neither `model`'s parameters
+    and buffers nor `optimizer`'s state (what a failed attempt may have left behind)."""
+    def holders() -> list:
+        known = set()
+        if model is not None:
+            known |= {id(t.untyped_storage()) for t in model.parameters()}
+            known |= {id(t.untyped_storage()) for t in model.buffers()}
+        if optimizer is not None:
+            for entry in optimizer.state.values():
+                known |= {id(v.untyped_storage()) for v in entry.values() if isinstance(v, torch.Tensor)}
+        return [t for t in device.live_tensors() if id(t.untyped_storage()) not in known]
+    return holders
+
+
+class Attempter:
+    """Runs attempts on `device`, one at a time (see the module docstring).
+
+    - `owner() -> (model, optimizer)`: the job's own; `release` drops their gradients, and with
+      `grows` the bytes they gain during an attempt (a lazily registered buffer, optimizer state
+      made at a first step) are theirs, not the attempt's, where the device counts its bytes;
+    - `holders() -> tensors`: what to name when memory stays above the baseline (default: the
+      live tensors outside the owner's, `outside`);
+    - `free()`: the caller's own references to drop after the except block, before `release`;
+    - `catches(error) -> bool`: which errors are an attempt's out-of-memory (default `is_oom`);
+      every other error propagates untouched.
+    """
+
+    def __init__(self, device, owner=None, *, holders=None, grows: bool = False, free=None,
+                 catches=is_oom):
+        self.device = device
+        self.owner = owner if owner is not None else (lambda: (None, None))
+        self.holders = holders if holders is not None else (lambda: outside(device, *self.owner())())
+        self.grows, self.free, self.catches = grows, free, catches
+        self._owned_at = None  # (allocated bytes, owned bytes) when the owner's bytes were last counted
+
+    def __call__(self, work, *, inspect=None, peak=None) -> Outcome:
+        """`work()` once; `inspect(error)` reads the failure while it is happening (it must keep
+        no tensor), `peak()` the attempt's peak after it."""
+        baseline = self.device.memory_allocated()
+        owned = self._owned_before(baseline) if self.grows and self.device.counts else None
+        failure = None
+        try:
+            value = work()
+        except Exception as error:
+            if not self.catches(error):
+                raise
+            failure = (summarize(error), None if inspect is None else inspect(error))
+        peak_bytes = 0 if peak is None else peak()
+        if failure is None:
+            return Outcome(True, value, peak=peak_bytes, baseline=baseline)
+        # Out of the except block: the failed attempt's frames are gone; free what they held.
+        if self.free is not None:
+            self.free()
+        model, optimizer = self.owner()
+        release(self.device, model=model, optimizer=optimizer)
+        self.check(baseline, owned)
+        return Outcome(False, error=failure[0], found=failure[1], peak=peak_bytes, baseline=baseline)
+
+    def check(self, baseline: int, owned: int | None = None) -> None:
+        """MemoryNotReleased when more than `baseline` (plus CUDA's cached workspaces) stays
+        allocated; `owned`: the owner's bytes before the attempt, when its growth is allowed."""
+        slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
+        extra = self.device.memory_allocated() - baseline
+        if extra > slack and owned is not None:
+            extra -= max(self._owned() - owned, 0)
+        if extra <= slack:
+            return
+        raise MemoryNotReleased(extra, self._named())
+
+    def _named(self) -> str:
+        # A function of its own: the holders die with its frame, not pinned by the error's traceback.
+        holders = self.holders()
+        return describe_tensors(holders) if holders else "no tensor Python can see"
+
+    def _owned(self) -> int:
+        """Device bytes of the owner's parameters and buffers and of its optimizer's state."""
+        model, optimizer = self.owner()
+        held = by_kind(self.device, model, optimizer)
+        return held["params"] + held["optimizer"]
+
+    def _owned_before(self, allocated: int) -> int:
+        """`_owned()` before an attempt, counted again only when the allocated bytes moved since the
+        last count: between steady steps they do not, so the per-step path walks no tensor."""
+        if self._owned_at is None or self._owned_at[0] != allocated:
+            self._owned_at = (allocated, self._owned())
+        return self._owned_at[1]
+
+
+class _NothingLeft(stop_base):
+    def __init__(self):
+        self.left = True
+
+    def __call__(self, retry_state) -> bool:
+        return not self.left
+
+
+def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
+    """Attempt with `once() -> Outcome` until one fits. After each out-of-memory outcome,
+    `after_oom(outcome)` records it and sets up the next attempt (a step down), returning False
+    when there is nothing left to try. Returns the last outcome: the one that fitted, or the
+    failure that ended the walk (also after `max_attempts`). Other errors propagate."""
+    more = _NothingLeft()
+
+    def attempt() -> Outcome:
+        outcome = once()
+        if not outcome.ok:
+            more.left = bool(after_oom(outcome))
+        return outcome
+    stop = more if max_attempts is None else more | stop_after_attempt(max_attempts)
+    retrying = Retrying(retry=retry_if_result(lambda outcome: not outcome.ok), stop=stop, wait=wait_none(),
+                        sleep=lambda _: None, reraise=True,
+                        retry_error_callback=lambda state: state.outcome.result())
+    return retrying(attempt)
+
+
+def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", applies=None, failed=None,
+              said: set | None = None, quiet: bool = False):
+    """(plan, why): the ladder's first step below `plan` (the moves for `phase` first; each move is
+    given the true `global_batch`) that applies to the job (`applies(plan) -> reason | None`) and is
+    not known to fail (`failed(plan)`), walking on past those that are; None when no step is left or
+    the moves go round in circles. A move skipped because it does not apply is logged once per
+    reason (`said`: the reasons already given) and named in `why`."""
+    said = set() if said is None else said
+    current, seen = plan, {plan}
+    while True:
+        new, why, skipped = step_down(ladder, current, phase, applies, global_batch)
+        for move, reason in skipped:
+            if reason not in said:
+                said.add(reason)
+                why = f"{why} ({move!r} skipped: {reason})" if new is not None else why
+                if not quiet:
+                    log.warning("%s; the ladder goes on without it", reason)
+        if new is None:
+            return None
+        new = new.with_micro_batch(new.micro_batch_size, global_batch)  # for moves that see only the plan
+        if new in seen:
+            return None  # a move that goes round in circles has no step left
+        if failed is None or not failed(new):
+            return new, why
+        current = new  # a plan already seen to fail: keep stepping
+        seen.add(new)

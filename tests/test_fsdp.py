@@ -1,0 +1,323 @@
+"""FSDP2: the block finder and sharded-model detection (here), and 2 gloo ranks training a
+fully_shard model in lockstep (the spawned scenario below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autofit.distributed.fsdp import block_classes, blocks, is_sharded, shard
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList([_Block(), _Block(), _Block()])
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 2), torch.nn.Bilinear(4, 4, 1)])
+
+
+def test_hugging_face_blocks_come_from_no_split_modules():
+    from reference import bert, gpt2
+    model = bert(layers=2)
+    assert {c.__name__ for c in block_classes(model)} == {"BertEmbeddings", "BertLayer"}
+    found = blocks(model)
+    assert [n for n, m in model.named_modules() if any(m is b for b in found)] == \
+        ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
+    assert [type(b).__name__ for b in blocks(gpt2(layers=2))] == ["GPT2Block", "GPT2Block"]
+
+
+def test_without_no_split_modules_the_repeated_children_of_a_module_list_are_the_blocks():
+    model = _Stack()
+    # The heads ModuleList mixes classes: not blocks; nor is the Linear outside any list.
+    assert block_classes(model) == {_Block}
+    names = [n for n, m in model.named_modules() if any(m is b for b in blocks(model))]
+    assert names == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_a_model_without_blocks_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="shard=True found no transformer blocks in Sequential"):
+        shard(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+
+
+def test_plain_parameters_are_not_sharded():
+    assert not is_sharded(_Stack())
+    assert not is_sharded(object())
+
+
+def test_the_cache_key_holds_the_world_size_and_the_sharding():
+    from autofit.cache.fingerprint import job_key
+    from reference import bert, cls_batches
+    model, batch = bert(), cls_batches(1, rows=4)[0]
+    common = dict(model=model, batch=batch, optimizer_name="AdamW", global_batch=4, precision="fp32",
+                  device_name="simulated", device_total=None, budget=1 << 30)
+    keys = {str(p): job_key(**common, parallel=p)[0] for p in (
+        None, {"world": 4, "sharding": "replicated"}, {"world": 8, "sharding": "replicated"},
+        {"world": 4, "sharding": "fsdp2", "units": ["bert.encoder.layer.0", ""]})}
+    assert len(set(keys.values())) == 4
+    assert job_key(**common)[0] == keys["None"]  # a single process's key is as before
+    assert job_key(**common, parallel={"world": 4, "sharding": "replicated"})[1]["parallel"] == \
+        {"world": 4, "sharding": "replicated"}
+    with pytest.raises(TypeError, match="parallel must be a dict with an int 'world'"):
+        job_key(**common, parallel={"sharding": "fsdp2"})
+
+
+# -- two gloo ranks -----------------------------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+WORLD, PER_RANK = 2, 8          # rows of each rank's share; a global batch has 16
+SLOWEST_ERROR_EXIT = 30.0       # seconds; the process group's timeout is 60 s, so a hang would show
+PROCESS_TIMEOUT = 300
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self):
+        from reference import cls_batches
+        self.rows = [{k: v[i] for k, v in b.items()} for b in cls_batches(2, rows=16) for i in range(16)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def _sampler(rank):
+    return torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
+                                                           shuffle=True, seed=5)
+
+
+def _halve(plan):
+    return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
+
+
+class _FlakyAdamW(torch.optim.AdamW):
+    """Applies its first update, then runs out of memory: a step that fails half-way."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        super().step(closure)
+        type(self).calls += 1
+        if type(self).calls == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in "
+                                         "the optimizer step)")
+
+
+def _timed(fn):
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    return {"value": value, "seconds": time.monotonic() - start}
+
+
+def _full(model) -> dict:
+    """The whole parameters (every rank's shards gathered: a collective, run on every rank)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _worker(rank, init_file, out_dir):
+    os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    import autofit
+    from autofit.distributed.fsdp import is_sharded, sharding
+    from reference import bert, cls_batches, gpt2, lm_batches
+    from torch.distributed.fsdp import fully_shard
+    seen, saved = {}, {}
+
+    def run(model, data, **kw):
+        return autofit.run(model, data, **{"precision": "fp32", "progress": False, "capacity_check": False,
+                                           "cache": False, **kw})
+
+    def user_sharded():
+        model = bert()
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    # 1. The user's fully_shard model, data from a DistributedSampler, and one OOM in rank 1's forward
+    # of the second global batch (inside the second layer, after the gathers before it): both ranks
+    # step down together. (Not under a simulated budget: FSDP frees gathered parameters by resizing
+    # their storage, which the simulated GPU does not see, so it would report them as still held.)
+    model = user_sharded()
+    if rank == 1:
+        calls = []
+
+        def fail_once(module, args):
+            calls.append(1)
+            if len(calls) == 2:  # global batch 1, its first micro-batch
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
+        model.bert.encoder.layer[1].register_forward_pre_hook(fail_once)
+    loader = torch.utils.data.DataLoader(_Samples(), batch_size=PER_RANK, sampler=_sampler(rank))
+    result = run(model, loader, ladder=_halve)
+    seen["sampled"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in result.attempts],
+                       "samples": [h["samples"] for h in result.history],
+                       "micro": [h["plan"].micro_batch_size for h in result.history],
+                       "sharded": is_sharded(model), "sharding": sharding(model)}
+    saved["sampled"] = _full(model)
+
+    # 2. Rank 1's optimizer step runs out of memory after updating its shards: both roll back.
+    model = user_sharded()
+    batches = cls_batches(2, rows=2 * PER_RANK)
+    with autofit.simulate_gpu("8MiB"):
+        result = run(model, batches, optimizer=_FlakyAdamW if rank == 1 else None)
+    seen["step_oom"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where, a.error]
+                                     for a in result.attempts]}
+    saved["step_oom"] = _full(model)
+
+    # 3. A non-OOM error in rank 1's loss, before its forward: rank 0 is stopped at the next gather.
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("rank 1 cannot compute this loss")
+        return model(**batch).loss
+    with autofit.simulate_gpu("64MiB"):
+        seen["error"] = _timed(lambda: run(user_sharded(), batches, loss_fn=loss_fn))
+
+    # 4. shard=True on a plain tiny BERT (the same global batches on both ranks).
+    model = bert()
+    result = run(model, batches, shard=True, optimizer=torch.optim.AdamW)
+    seen["shard"] = {"sharded": is_sharded(model), "sharding": sharding(model),
+                     "attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in result.attempts]}
+    saved["shard"] = _full(model)
+    seen["shard_instance"] = _timed(lambda: run(bert(), batches, shard=True,
+                                                optimizer=torch.optim.AdamW(bert().parameters())))
+
+    # 5. Per-rank data (DDP-free replicas) where rank 1's share has no label token in the first batch.
+    lm = lm_batches(2, rows=2 * PER_RANK)
+    mine = [{k: v[rank * PER_RANK:(rank + 1) * PER_RANK].clone() for k, v in b.items()} for b in lm]
+    if rank == 1:
+        mine[0]["labels"][:] = -100
+    model = gpt2()
+    seen["no_tokens"] = _timed(lambda: [h["samples"] for h in run(model, mine).history])
+    saved["no_tokens"] = _full(model)
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    context = torch.multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + PROCESS_TIMEOUT
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    assert not alive, f"ranks {[procs.index(p) for p in alive]} still running after {PROCESS_TIMEOUT} s"
+    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
+    return seen, params
+
+
+def _loop(batches, micro_sizes, make_model=None, tokens=False):
+    """One process doing what the ranks do: each global batch's rank shares (rank 0's rows, then
+    rank 1's) cut into micro-batches of the given size, each weighted by its share of the global
+    batch (rows, or label tokens after the causal shift), gradients summed, one AdamW step."""
+    from reference import bert
+    model = (make_model or bert)()
+    opt = torch.optim.AdamW(model.parameters())
+    share = (lambda b: int((b["labels"][:, 1:] != -100).sum())) if tokens else (lambda b: len(b["labels"]))
+    for batch, micro in zip(batches, micro_sizes):
+        total = share(batch)
+        for start in range(0, len(batch["labels"]), PER_RANK):
+            for i in range(start, start + PER_RANK, micro):
+                part = {k: v[i:min(i + micro, start + PER_RANK)] for k, v in batch.items()}
+                if share(part):
+                    (model(**part).loss * (share(part) / total)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_process(ranks):
+    (r0, r1), (p0, p1) = ranks
+    for seen in (r0, r1):
+        assert seen["sampled"]["attempts"] == [[0, 8, "ok"], [1, 8, "oom"], [1, 4, "ok"]]
+        assert seen["sampled"]["samples"] == [16, 16]  # the global batch's rows, both ranks' shares
+        assert seen["sampled"]["sharded"] is True
+        assert seen["sampled"]["sharding"] == {"sharding": "fsdp2", "units": [
+            "", "bert.encoder.layer.0", "bert.encoder.layer.1"]}
+    assert _max_diff(p0["sampled"], p1["sampled"]) == 0
+    samples, orders = _Samples(), [list(_sampler(r)) for r in range(WORLD)]
+    assert sorted(orders[0] + orders[1]) == list(range(len(samples)))
+    batches = [torch.utils.data.default_collate([samples[j] for r in range(WORLD)
+                                                 for j in orders[r][i:i + PER_RANK]])
+               for i in range(0, len(samples) // WORLD, PER_RANK)]
+    assert _max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
+
+
+def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks):
+    from reference import cls_batches
+    (r0, r1), (p0, p1) = ranks
+    first0, first1 = r0["step_oom"]["attempts"][0], r1["step_oom"]["attempts"][0]
+    assert first0[:4] == first1[:4] == [0, 16 // WORLD, "oom", "optimizer.step"]
+    assert "rank 1" in first0[4] and "rolled back" in first0[4]
+    assert [a[:3] for a in r0["step_oom"]["attempts"]] == [a[:3] for a in r1["step_oom"]["attempts"]]
+    assert _max_diff(p0["step_oom"], p1["step_oom"]) == 0
+    micro = [a[1] for a in r0["step_oom"]["attempts"] if a[2] == "ok"]
+    # No update applied twice on either rank's shard.
+    assert _max_diff(p0["step_oom"], _loop(cls_batches(2, rows=16), micro)) <= 1e-5
+
+
+def test_a_non_oom_error_on_one_rank_of_a_sharded_model_ends_both_promptly(ranks):
+    (r0, r1), _ = ranks
+    assert (r1["error"]["error"], r1["error"]["message"]) == ("ValueError", "rank 1 cannot compute this loss")
+    assert r0["error"]["error"] == "RankFailed"
+    assert r0["error"]["message"].startswith("rank 1 failed with ValueError: rank 1 cannot compute this loss")
+    assert max(r0["error"]["seconds"], r1["error"]["seconds"]) < SLOWEST_ERROR_EXIT
+
+
+def test_shard_true_wraps_each_block_and_the_root(ranks):
+    from reference import cls_batches
+    (r0, r1), (p0, p1) = ranks
+    for seen in (r0, r1):
+        assert seen["shard"]["sharded"] is True
+        assert seen["shard"]["sharding"]["units"] == ["", "bert.embeddings", "bert.encoder.layer.0",
+                                                      "bert.encoder.layer.1"]
+        assert seen["shard"]["attempts"] == [[0, 8, "ok"], [1, 8, "ok"]]
+        assert seen["shard_instance"]["error"] == "ValueError"
+        assert "pass a factory" in seen["shard_instance"]["message"]
+    assert _max_diff(p0["shard"], _loop(cls_batches(2, rows=16), [8, 8])) <= 1e-5
+
+
+def test_a_rank_whose_share_has_no_label_token_trains_on_the_global_count(ranks):
+    from reference import gpt2, lm_batches
+    (r0, r1), (p0, p1) = ranks
+    for seen in (r0, r1):
+        assert seen["no_tokens"]["value"] == [16, 16]
+    batches = lm_batches(2, rows=16)
+    batches[0]["labels"][PER_RANK:] = -100
+    assert _max_diff(p0["no_tokens"], p1["no_tokens"]) == 0
+    assert _max_diff(p0["no_tokens"], _loop(batches, [PER_RANK, PER_RANK], gpt2, tokens=True)) <= 1e-5
