@@ -156,9 +156,9 @@ def ask(job: dict, checkout: pathlib.Path):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def extract(ref: str) -> pathlib.Path:
+def extract(ref: str, repo: pathlib.Path) -> pathlib.Path:
     target = pathlib.Path(tempfile.mkdtemp(prefix="autofit-before-"))
-    archive = subprocess.run(["git", "archive", ref, "autofit"], cwd=ROOT, capture_output=True, check=True)
+    archive = subprocess.run(["git", "archive", ref, "autofit"], cwd=repo, capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
 
@@ -166,6 +166,7 @@ def extract(ref: str) -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="00ef491")
+    parser.add_argument("--repo", default=str(ROOT), help="the git repository holding --before")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--caps", nargs="+", default=["allocated", "reserved"])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -176,7 +177,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from common import print_environment, table
     print_environment("calibrated, guided micro-batch search: cold starts on held-out models")
-    before = extract(args.before)
+    before = extract(args.before, pathlib.Path(args.repo))
     print(f"before: autofit of {args.before} (git archive into {before}); after: this checkout\n")
     rows = []
     for name in args.models:
