@@ -61,6 +61,26 @@ def test_attempts_halve_until_one_fits_with_exact_outcomes(device):
     assert (last.ok, last.value) == (True, 4)
 
 
+@pytest.mark.parametrize("mib_per_row, tried, fits", [
+    (2, [Plan(8), Plan(4, 2), Plan(2, 4)], True),                # 16, 8 MiB fail; 4 MiB fits in 6
+    (8, [Plan(8), Plan(4, 2), Plan(2, 4), Plan(1, 8)], False),  # even one row fails: the ladder ends
+])
+def test_a_walk_down_the_ladder_tries_exact_plans(device, mib_per_row, tried, fits):
+    ladder, plans = ShrinkMicroBatch(SizeLog(), floor=1), [Plan(8)]
+
+    def once():
+        return Attempter(device)(lambda: mib(mib_per_row * plans[-1].micro_batch_size))
+
+    def after_oom(outcome):
+        taken = next_down(ladder, plans[-1], 8)
+        if taken is not None:
+            plans.append(taken[0])
+        return taken is not None
+
+    assert until_fits(once, after_oom).ok is fits
+    assert plans == tried
+
+
 def test_the_walk_ends_when_nothing_is_left_or_after_max_attempts(device):
     tries = []
 

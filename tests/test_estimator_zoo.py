@@ -166,11 +166,12 @@ def test_no_family_fails_in_run_because_of_the_estimator(name, caplog):
     with caplog.at_level(logging.INFO, logger="autofit"):
         result = autofit.run(model, [batch], budget="1GiB", cache=False, progress=False)
     assert [a.outcome for a in result.attempts] == ["ok"]
-    # BatchNorm couples the rows: the check keeps the batch whole first (plans/coupling.py).
-    coupled = name == "resnet"
+    # A family with BatchNorm (resnet) starts from the ladder's first whole-batch plan that fits.
+    coupled = bool(result.batch_coupled)
     assert result.attempts[0].reason.startswith(
-        "estimated: the first whole-batch plan of the ladder predicted to fit" if coupled else
-        "estimated: fastest plan predicted to fit")
+        "estimated: the first whole-batch plan of the ladder predicted to fit" if coupled
+        else "estimated: fastest plan predicted to fit")
+    assert coupled == (name == "resnet")
     assert fallback_lines(caplog) == []
     sampled = [r.getMessage() for r in caplog.records if "fake tensors cannot follow" in r.getMessage()]
     assert sampled == ([f"estimator: fake tensors cannot follow {type(model).__name__} ({SAMPLED[name]}); "

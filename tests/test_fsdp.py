@@ -91,9 +91,11 @@ class _Samples(torch.utils.data.Dataset):
         return self.rows[index]
 
 
-def _sampler(rank):
-    return torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
-                                                           shuffle=True, seed=5)
+def _sampler(rank, epoch=0):
+    sampler = torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
+                                                              shuffle=True, seed=5)
+    sampler.set_epoch(epoch)
+    return sampler
 
 
 def _halve(plan):
@@ -151,22 +153,44 @@ def _worker(rank, init_file, out_dir):
         fully_shard(model)
         return model
 
-    # 1. The user's fully_shard model, data from a DistributedSampler, and one OOM in rank 1's forward
-    # of the second global batch (inside the second layer, after the gathers before it): both ranks
-    # step down together. (Not under a simulated budget: FSDP frees gathered parameters by resizing
-    # their storage, which the simulated GPU does not see, so it would report them as still held.)
+    # 0. Unequal simulated budgets: rank 1's is just below what its second global batch of 8 rows
+    # needed (measured here with room to spare; first, in a fresh process), rank 0's is large; both
+    # ranks walk one plan sequence. The models are made on the simulated GPUs, as on a card.
+    three = cls_batches(3, rows=2 * PER_RANK, seed=4)
+    with autofit.simulate_gpu("256MiB"):
+        measured = run(user_sharded(), three, ladder=_halve)
+    need = max(a.peak_bytes for a in measured.attempts if a.step > 0)
+    with autofit.simulate_gpu("256MiB" if rank == 0 else need - 1):
+        model = user_sharded()
+        result = run(model, three, ladder=_halve)
+    seen["budgets"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.error[:40]]
+                                    for a in result.attempts],
+                       "micro": [h["plan"].micro_batch_size for h in result.history]}
+    saved["budgets"] = _full(model)
+
+    # 1. The user's fully_shard model, data from a DistributedSampler (two epochs), and on rank 1 one
+    # OOM in forward (global batch 1, inside the second layer, after the gathers before it) and one
+    # in backward (global batch 2 at 6 rows, when the ladder probes up: in the first layer's
+    # backward, after the second layer's): both ranks step down together each time. 
     model = user_sharded()
     if rank == 1:
-        calls = []
+        forwards, backwards = [], []
 
-        def fail_once(module, args):
-            calls.append(1)
-            if len(calls) == 2:  # global batch 1, its first micro-batch
+        def fail_forward(module, args):
+            forwards.append(1)
+            if len(forwards) == 2:  # global batch 1, its first micro-batch
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
-        model.bert.encoder.layer[1].register_forward_pre_hook(fail_once)
+
+        def fail_backward(module, grad_output):
+            backwards.append(1)
+            if len(backwards) == 4:  # global batch 2, its first micro-batch
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        model.bert.encoder.layer[1].register_forward_pre_hook(fail_forward)
+        model.bert.encoder.layer[0].register_full_backward_pre_hook(fail_backward)
     loader = torch.utils.data.DataLoader(_Samples(), batch_size=PER_RANK, sampler=_sampler(rank))
-    result = run(model, loader, ladder=_halve)
-    seen["sampled"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in result.attempts],
+    result = run(model, loader, ladder=_halve, epochs=2)
+    seen["sampled"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where]
+                                    for a in result.attempts],
                        "samples": [h["samples"] for h in result.history],
                        "micro": [h["plan"].micro_batch_size for h in result.history],
                        "sharded": is_sharded(model), "sharding": sharding(model)}
@@ -264,18 +288,38 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_process(ranks):
     (r0, r1), (p0, p1) = ranks
     for seen in (r0, r1):
-        assert seen["sampled"]["attempts"] == [[0, 8, "ok"], [1, 8, "oom"], [1, 4, "ok"]]
-        assert seen["sampled"]["samples"] == [16, 16]  # the global batch's rows, both ranks' shares
+        assert [a[:3] for a in seen["sampled"]["attempts"]] == [
+            [0, 8, "ok"], [1, 8, "oom"], [1, 4, "ok"], [2, 6, "oom"], [2, 4, "ok"], [3, 5, "ok"]]
+        assert seen["sampled"]["samples"] == [16] * 4  # the global batch's rows, both ranks' shares
         assert seen["sampled"]["sharded"] is True
         assert seen["sampled"]["sharding"] == {"sharding": "fsdp2", "units": [
             "", "bert.encoder.layer.0", "bert.encoder.layer.1"]}
+    assert [a[3] for a in r1["sampled"]["attempts"] if a[2] == "oom"] == ["forward", "backward"]
     assert _max_diff(p0["sampled"], p1["sampled"]) == 0
-    samples, orders = _Samples(), [list(_sampler(r)) for r in range(WORLD)]
-    assert sorted(orders[0] + orders[1]) == list(range(len(samples)))
-    batches = [torch.utils.data.default_collate([samples[j] for r in range(WORLD)
-                                                 for j in orders[r][i:i + PER_RANK]])
-               for i in range(0, len(samples) // WORLD, PER_RANK)]
+    samples = _Samples()
+    batches = []
+    for epoch in range(2):
+        orders = [list(_sampler(r, epoch)) for r in range(WORLD)]
+        assert sorted(orders[0] + orders[1]) == list(range(len(samples)))  # every sample once
+        batches += [torch.utils.data.default_collate([samples[j] for r in range(WORLD)
+                                                      for j in orders[r][i:i + PER_RANK]])
+                    for i in range(0, len(samples) // WORLD, PER_RANK)]
     assert _max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
+
+
+def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
+    from reference import cls_batches
+    (r0, r1), (p0, p1) = ranks
+    plans = [a[:3] for a in r0["budgets"]["attempts"]]
+    assert plans == [a[:3] for a in r1["budgets"]["attempts"]]
+    assert plans[:3] == [[0, 8, "ok"], [1, 8, "oom"], [1, 4, "ok"]]
+    oom0 = [a[3] for a in r0["budgets"]["attempts"] if a[2] == "oom"]
+    oom1 = [a[3] for a in r1["budgets"]["attempts"] if a[2] == "oom"]
+    assert all(text.startswith("out of memory on another rank (rank 1") for text in oom0)
+    assert all(not text.startswith("out of memory on another rank") for text in oom1)  # its own
+    assert _max_diff(p0["budgets"], p1["budgets"]) == 0
+    batches = cls_batches(3, rows=16, seed=4)
+    assert _max_diff(p0["budgets"], _loop(batches, r0["budgets"]["micro"])) <= 1e-5
 
 
 def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks):

@@ -114,6 +114,7 @@ class Sharded:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.units = fsdp_units(model)
+        self.guards = None  # fsdp_guard.Guards once `guard` is called (a lockstep's run)
         self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
                         g.all_reduce_grads)
                        for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
@@ -122,38 +123,27 @@ class Sharded:
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
     def guard(self, check) -> None:
-        """Call `check(unit_bytes)` before each unit gathers its parameters in forward, while armed:
-        the lockstep's agreement, so a rank that failed earlier in the attempt stops the others
-        before a collective it would never join (see autofit.distributed.lockstep)."""
-        self.armed = False
-        self.hooks = []
-        for unit in self.units:
-            size, device = _gathered(unit)
-            self.hooks.append(unit.register_forward_pre_hook(
-                lambda module, args, size=size, device=device: check(size, device) if self.armed else None,
-                prepend=True))
+        """Hold `check(bytes, device)`, the lockstep's agreement, in front of each of FSDP's
+        collectives while armed (autofit.distributed.fsdp_guard)."""
+        from autofit.distributed.fsdp_guard import Guards
+        self.guards = Guards(self.model, self.units, check, self.settle)
 
-        # And once more when backward reaches the model's outputs, before any unit gathers again or
-        # reduces: a rank that failed after the last gather of forward (a loss_fn) meets it there.
-        def outputs_done(module, args, output):
-            from autofit.engine.batches import _fields
-            leaves = [t for _, t in _fields(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if self.armed and leaves:
-                torch.autograd.graph.register_multi_grad_hook(leaves, lambda grads: check(0, None),
-                                                              mode="any")
-        if self.units:
-            self.hooks.append(self.model.register_forward_hook(outputs_done, prepend=True))
+    def arm(self, on: bool) -> None:
+        """Guards on for a training attempt (never for evaluation or anything else)."""
+        self.guards.armed = on
 
     def sync(self, i: int, last: bool):
         """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`)."""
         for unit in self.units:
             unit.set_requires_gradient_sync(last, recurse=False)
+        if self.guards is not None:
+            self.guards.reducing = last
         return _NULL
 
     def abandon(self) -> None:
         """After a failed attempt: every unit back to sharded and idle, whatever phase the failure
         interrupted (FSDP itself expects each forward to finish: its state says where it stopped),
-        and nothing of the attempt's gathers kept."""
+        and nothing of the attempt's gathers or of its unsharded gradients kept."""
         from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
         for unit in self.units:
             state = unit._get_fsdp_state()
@@ -165,6 +155,11 @@ class Sharded:
                 group._training_state = TrainingState.IDLE
                 group._all_gather_result = None
                 group.reshard()
+                for fp in group.fsdp_params:  # gradients accumulated with sync off: not the replay's
+                    fp.unsharded_accumulated_grad = None
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
         self.settle()
 
     def settle(self) -> None:
@@ -180,19 +175,11 @@ class Sharded:
                                 torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
     def close(self) -> None:
-        for hook in getattr(self, "hooks", ()):
-            hook.remove()
+        if self.guards is not None:
+            self.guards.remove()
         for g, factor, force_sum, reduce, all_reduce in self._saved:
             g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
             g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
-
-
-def _gathered(unit) -> tuple[int, torch.device | None]:
-    """(bytes of the parameters `unit` all-gathers itself, not its sub-units', the shards' device)."""
-    params = [fp.sharded_param for group in unit._get_fsdp_state()._fsdp_param_groups
-              for fp in group.fsdp_params]
-    size = sum(p.numel() * p.element_size() for p in params)  # numel of a DTensor: the whole tensor's
-    return size, (params[0].device if params else None)
 
 
 class _Null:

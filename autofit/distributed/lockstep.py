@@ -62,12 +62,12 @@ A model sharded with FSDP2's `fully_shard` (or by `shard=True`, autofit.distribu
 as it is: its parameters stay each rank's shards, FSDP gathers them per unit in forward and
 backward and reduce-scatters the gradients (summed: autofit weights the micro-batches) in the
 last micro-batch's backward, with gradient sync off before it. FSDP's collectives cannot sit
-after one agreement per attempt, so there is one more in front of each of them that a failed rank
-could miss: before each unit's gather in forward (room for the gathered parameters is made first,
-so the gather itself cannot run out of memory) and when backward reaches the model's outputs. A
-rank that failed meets the others there at its own agreement after backward, and every rank drops
-the attempt; FSDP's state is put back to sharded and idle. Still open: a failure inside backward on
-one rank (the others wait in FSDP's next gather or reduce-scatter until the process-group timeout).
+after one agreement per attempt, so there is one in front of each of them
+(autofit.distributed.fsdp_guard): each unit's gather in forward and in backward (with the unit FSDP
+prefetches), each reduce-scatter, the reduce at the end of backward; room for what the collective
+allocates is made first, so the collective itself cannot run out of memory. A rank that failed
+meets the others there at its own agreement after backward, and every rank drops the attempt;
+FSDP's state is put back to sharded and idle, its unsharded accumulated gradients dropped.
 The agreements of a sharded run use a gloo group of their own, so they never trade data with
 FSDP's collectives.
 

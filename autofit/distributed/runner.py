@@ -50,7 +50,7 @@ class DistributedStepRunner(StepRunner):
         sharded = lock.sharded
         try:
             if sharded is not None:
-                sharded.armed = True  # each unit's gather waits for an agreement first
+                sharded.arm(True)  # each of FSDP's collectives waits for an agreement first
             value = self._accumulate(batch, plan).item()
             mask = lock.replicas.fill_missing_grads()
             at_risk = self.offloaded is None and self.atomic.at_risk(config_of(plan))
@@ -58,7 +58,7 @@ class DistributedStepRunner(StepRunner):
             failure = error
         finally:
             if sharded is not None:
-                sharded.armed = False
+                sharded.arm(False)
         if lock.attempt_agreed:  # every rank already knows how this attempt ended
             try:
                 raise failure

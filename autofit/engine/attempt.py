@@ -15,6 +15,7 @@ recovery (`integrations/hf_recovery`, `integrations/hf_eval`) all go through the
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -160,11 +161,25 @@ class Attempter:
 
 
 class _NothingLeft(stop_base):
-    def __init__(self):
-        self.left = True
+    """Stop when the walk's `after_oom` said there is nothing left (its flag is the first argument
+    of the attempt, so one Retrying serves every walk)."""
 
     def __call__(self, retry_state) -> bool:
-        return not self.left
+        return not retry_state.args[0]["left"]
+
+
+@functools.lru_cache(maxsize=None)
+def _retrying(max_attempts: int | None) -> Retrying:
+    stop = _NothingLeft() if max_attempts is None else _NothingLeft() | stop_after_attempt(max_attempts)
+    return Retrying(retry=retry_if_result(lambda outcome: not outcome.ok), stop=stop, wait=wait_none(),
+                    sleep=lambda _: None, reraise=True, retry_error_callback=lambda state: state.outcome.result())
+
+
+def _attempt(walk: dict, once, after_oom) -> Outcome:
+    outcome = once()
+    if not outcome.ok:
+        walk["left"] = bool(after_oom(outcome))
+    return outcome
 
 
 def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
@@ -172,18 +187,7 @@ def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
     `after_oom(outcome)` records it and sets up the next attempt (a step down), returning False
     when there is nothing left to try. Returns the last outcome: the one that fitted, or the
     failure that ended the walk (also after `max_attempts`). Other errors propagate."""
-    more = _NothingLeft()
-
-    def attempt() -> Outcome:
-        outcome = once()
-        if not outcome.ok:
-            more.left = bool(after_oom(outcome))
-        return outcome
-    stop = more if max_attempts is None else more | stop_after_attempt(max_attempts)
-    retrying = Retrying(retry=retry_if_result(lambda outcome: not outcome.ok), stop=stop, wait=wait_none(),
-                        sleep=lambda _: None, reraise=True,
-                        retry_error_callback=lambda state: state.outcome.result())
-    return retrying(attempt)
+    return _retrying(max_attempts)(_attempt, {"left": True}, once, after_oom)
 
 
 def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", applies=None, failed=None,

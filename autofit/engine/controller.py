@@ -170,7 +170,8 @@ class Controller:
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = None if (step, plan) in self._retried else fragmentation.retry_reason(self.device, outcome.found[3])
+        found = outcome.found[3]
+        why = None if (step, plan) in self._retried else fragmentation.retry_reason(self.device, found)
         if why:
             self._retried.add((step, plan))
             self.next_plan, self.reason = plan, why

@@ -35,6 +35,7 @@ from autofit.estimator.cost import (  # noqa: F401  (the cost model's names, als
     CHECKPOINT_COST, MICRO_OVERHEAD, OFFLOAD_COST, PRECISION_POLICIES, _check_positive, _precisions,
     candidate_plans, micro_batch_sizes, plan_cost)
 from autofit.estimator.estimate import Estimator, MemoryEstimate
+from autofit.estimator.sharded import ShardedEstimator, sharding_of
 from autofit.plans.ladder import config_of
 from autofit.gpu.memory import format_breakdown
 from autofit.plans.plan import Plan
@@ -60,6 +61,16 @@ class _OutOfEstimates(Exception):
     pass
 
 
+def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
+                   sharding=None) -> Estimator:
+    """The estimator `rank` prices plans with: one rank's (`ShardedEstimator`) for a model sharded
+    with FSDP2 (or a `sharding` to price), else the fake-tensor `Estimator`."""
+    sharding = sharding if sharding is not None else sharding_of(model)
+    if sharding is not None:
+        return ShardedEstimator(model, batch, sharding, optimizer, loss_fn, device_type=device_type)
+    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+
+
 def usable_bytes(budget: int, *, margin: float = 1.0, reserve: int = 0) -> float:
     """The bytes a plan's peak (times its calibration) may take of `budget`."""
     return (budget - reserve) * margin
@@ -69,7 +80,8 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
          margin: float = 1.0, caps: str = "allocated", reserve: int = 0,
          device_type: str = "cuda", calibration: float = 1.0,
          max_estimates: int | None = None, bf16_supported: bool = True,
-         allow_offload: bool = True, estimator: Estimator | None = None) -> list[Candidate]:
+         allow_offload: bool = True, estimator: Estimator | None = None,
+         sharding=None) -> list[Candidate]:
     """Estimate plans for one global `batch` against `budget` bytes; the candidates, fastest first.
 
     A candidate fits when `estimate.peak(caps) * calibration <= (budget - reserve) * margin`:
@@ -78,7 +90,9 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
     predicted, see autofit.estimator.guide), `margin` an extra share to keep free (1: none). Only the
     plans the search needed are estimated (see the module docstring); `max_estimates` caps them.
     When no plan fits, the most frugal plan is estimated all the same, so `needs_message` can say
-    why. `estimator`: an `Estimator` of this model and batch to reuse (made here when None).
+    why. `estimator`: an `Estimator` of this model and batch to reuse (made here when None, by
+    `make_estimator`). `sharding` (autofit.estimator.sharded.Sharding; read from a model sharded with
+    FSDP2): the plans are priced for one rank, `batch` being its share of the global batch.
     """
     budget = parse_size(budget)
     _precisions(precision, bf16_supported)  # a bad precision fails before any work
@@ -88,7 +102,10 @@ def rank(model, batch, budget, *, precision: str = "auto", optimizer=None, loss_
         raise ValueError(f"max_estimates must be a positive int or None but got {max_estimates!r}.")
     global_batch = batch_size(batch)
     if estimator is None:
-        estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+        estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
+                                   sharding=sharding)
+    if isinstance(estimator, ShardedEstimator):
+        allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
     plans = candidate_plans(global_batch, precision, bf16_supported=bf16_supported,
                             allow_offload=allow_offload,
                             checkpointing=Checkpointing(estimator.model).available)

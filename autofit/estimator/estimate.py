@@ -76,7 +76,7 @@ from autofit.estimator.fakes import (
 )
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans.plan import Plan
-from autofit.gpu.simulate import SimulatedGPU, _CountingMode, round_bytes
+from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
 from autofit.engine.step import StepRunner
 
 log = logging.getLogger("autofit")
@@ -174,10 +174,17 @@ class _Meter(SimulatedGPU):
         return upper_bound(storage.nbytes())
 
     def _account(self, tensors, check: bool = True, inputs=()) -> None:
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        tensors = [t for t in inner_tensors(tensors) if isinstance(t, torch.Tensor)]
         super()._account(tensors, check, inputs)
-        for t in tensors:
-            key = id(t.untyped_storage())
+        self._tag([id(t.untyped_storage()) for t in tensors])
+
+    def _resized(self, storage) -> None:
+        super()._resized(storage)
+        self._tag([id(storage)])
+
+    def _tag(self, keys) -> None:
+        """Give new storages the current kind, move resized ones' totals, and keep the peaks."""
+        for key in keys:
             entry = self._live.get(key)
             if entry is None:
                 continue
@@ -207,7 +214,7 @@ class _Meter(SimulatedGPU):
 
     def retag(self, tensors, kind: str) -> None:
         """Count these tensors' storages as `kind` from now on (a gradient made in backward)."""
-        for t in tensors:
+        for t in inner_tensors(tensors):
             if not isinstance(t, torch.Tensor):
                 continue
             key = id(t.untyped_storage())
@@ -337,6 +344,16 @@ class Estimator:
     def _device(self, meter):
         return _FakeDevice(meter)
 
+    def _measured(self, plan: Plan):
+        """The rows a plan is measured on, and whether they stand for a later micro-batch (run on
+        gradients made beforehand)."""
+        if self.rows > plan.micro_batch_size:
+            return slice_batch(self.batch, 0, plan.micro_batch_size), True
+        return self.batch, False
+
+    def _runner(self, device) -> StepRunner:
+        return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+
     def _measure(self, plan: Plan) -> MemoryEstimate:
         meter = _Meter()
         device = self._device(meter)
@@ -345,9 +362,7 @@ class Estimator:
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
-        batch, accumulates = self.batch, self.rows > plan.micro_batch_size
-        if accumulates:
-            batch = slice_batch(batch, 0, plan.micro_batch_size)
+        batch, accumulates = self._measured(plan)
         params = list(self.model.parameters()) + list(self.model.buffers())
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
@@ -369,7 +384,7 @@ class Estimator:
                                 p.grad = torch.zeros_like(p)
                     with meter.as_kind("other"):
                         meter.carried = torch.zeros((), device="cpu")  # the loss total so far
-                runner = StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+                runner = self._runner(device)
                 meter.start()
                 try:
                     runner.run(batch, run_plan)
@@ -423,4 +438,9 @@ def estimate(model, batch, plan: Plan, optimizer=None, loss_fn=None, *,
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+    from autofit.estimator.sharded import ShardedEstimator, sharding_of  # built on this module
+    sharding = sharding_of(model) if isinstance(model, torch.nn.Module) else None
+    if sharding is not None:  # sharded with FSDP2: one rank's peak, `batch` being its share
+        return ShardedEstimator(model, batch, sharding, optimizer, loss_fn,
+                                device_type=device_type).measure(plan)
     return Estimator(model, batch, optimizer, loss_fn, device_type=device_type).measure(plan)

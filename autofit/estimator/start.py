@@ -17,8 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import batch_size, row_elements
-from autofit.estimator.capacity import choose, needs_message, rank, usable_bytes
-from autofit.estimator.estimate import Estimator
+from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, usable_bytes
 from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
@@ -124,7 +123,7 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
          if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
-            estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+            estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type)
             kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autofit.gpu.simulate import round_bytes
+from autofit.gpu.simulate import inner_tensors, round_bytes
 from autofit.sizes import format_size
 
 KINDS = ("params", "grads", "optimizer", "activations", "other")
@@ -20,7 +20,7 @@ def storage_bytes(tensors, seen: set | None = None, on_device=None) -> int:
     `on_device`, tensors it rejects are skipped; `seen` carries storages already counted."""
     seen = set() if seen is None else seen
     total = 0
-    for t in tensors:
+    for t in inner_tensors(tensors):
         if not isinstance(t, torch.Tensor) or (on_device is not None and not on_device(t)):
             continue
         storage = t.untyped_storage()

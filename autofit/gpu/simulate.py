@@ -20,7 +20,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from autofit.gpu.allocator import AllocationFailed, CachingAllocator
 from autofit.sizes import format_size, parse_size
@@ -34,6 +34,22 @@ _active = threading.local()
 
 def round_bytes(nbytes: int) -> int:
     return -(-nbytes // ROUNDING) * ROUNDING
+
+
+def inner_tensors(tensors) -> list:
+    """`tensors` with each wrapper subclass (DTensor: a sharded parameter, its gradient and its
+    optimizer state) replaced by the tensors it wraps: a wrapper's own storage is a placeholder of
+    the global shape, the memory is its local shard's."""
+    if all(type(t) is torch.Tensor for t in tensors):
+        return tensors  # what ops return almost always: nothing to unwrap
+    out = []
+    for t in tensors:
+        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            out.extend(inner_tensors([i for i in inner if isinstance(i, torch.Tensor)]))
+        else:
+            out.append(t)
+    return out
 
 
 def active_gpu() -> "SimulatedGPU | None":
@@ -147,7 +163,7 @@ class SimulatedGPU:
         fresh = []
         given = None  # storages of the op's inputs: outputs that share one were not allocated by it
         live = self._live
-        for t in tensors:
+        for t in inner_tensors(tensors):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
@@ -160,17 +176,32 @@ class SimulatedGPU:
                 continue
             if inputs:
                 if given is None:
-                    given = {id(i.untyped_storage()) for i in _tensors(inputs)}
+                    given = {id(i.untyped_storage()) for i in inner_tensors(_tensors(inputs))}
                 if key in given:
                     continue  # a view of, or an in-place write to, memory made outside the simulation
             if not fresh or all(key != f[1] for f in fresh):  # empty ones too: resize_ may grow them
                 fresh.append((storage, key, nbytes, nbytes))
-        if not fresh:
-            return
+        if fresh:
+            self._commit(fresh, check)
+
+    def _resized(self, storage) -> None:
+        """`storage.resize_(n)` was called: no op reaches the dispatcher, so it is said here (FSDP2
+        frees each all-gathered parameter so after use and refills it at the next all-gather)."""
+        key = id(storage)
+        nbytes = -(-self._storage_bytes(storage) // ROUNDING) * ROUNDING
+        known = self._live.get(key)
+        if known is None and nbytes:
+            self._commit([(storage, key, nbytes, nbytes)], True)
+        elif known is not None and known[1] != nbytes:
+            self._commit([(storage, key, nbytes - known[1], nbytes)], True)
+
+    def _commit(self, fresh, check: bool) -> None:
+        """Count new or resized storages: (storage, key, bytes added, bytes now) each."""
+        live = self._live
         if check:
             for storage, key, extra, nbytes in fresh:
-                if extra == 0:
-                    continue  # an empty storage allocates nothing
+                if extra <= 0:
+                    continue  # an empty or shrunk storage allocates nothing
                 if self._fail_at is not None and self._allocations == self._fail_at:
                     self._fail_at = None
                     self._allocations += 1
@@ -191,12 +222,14 @@ class SimulatedGPU:
                     self.allocator.free(block)
             raise self._oom(sum(f[2] for f in fresh)) from None
         for (storage, key, extra, nbytes), block in zip(fresh, blocks):
-            if extra != nbytes:  # resized in place: its old block goes back
-                old = live.get(key)
-                if old is not None and old[2] is not None:
+            old = live.get(key)
+            if old is None:
+                ref = weakref.ref(storage, self._dead)
+                self._ref_keys[id(ref)] = key
+            else:  # resized in place: its old block goes back, its weak reference stays
+                if old[2] is not None:
                     self.allocator.free(old[2])
-            ref = weakref.ref(storage, self._dead)
-            self._ref_keys[id(ref)] = key
+                ref = old[0]
             live[key] = (ref, nbytes, block)
             self._allocated += extra
         if self._allocated > self._peak:
@@ -246,6 +279,33 @@ def _death_callback(gpu_ref):
     return dead
 
 
+_counters = threading.local()  # .stack: the counters this thread is in, innermost last
+_resize_lock = threading.Lock()
+_resize_users = 0
+_storage_resize = torch._C.StorageBase.resize_
+
+
+def _counted_resize(storage, nbytes):
+    """UntypedStorage.resize_ while a counter runs: resized as asked, then told to the innermost
+    counter of this thread (its mode never sees it: a storage method, not an op)."""
+    out = _storage_resize(storage, nbytes)
+    stack = getattr(_counters, "stack", None)
+    if stack and not stack[-1]._counting:
+        stack[-1]._resized(storage)
+    return out
+
+
+def _watch_resizes(on: bool) -> None:
+    """Route UntypedStorage.resize_ through `_counted_resize` while any counter runs (any thread)."""
+    global _resize_users
+    with _resize_lock:
+        _resize_users += 1 if on else -1
+        if on and _resize_users == 1:
+            torch.storage.UntypedStorage.resize_ = _counted_resize
+        elif not on and _resize_users == 0:
+            del torch.storage.UntypedStorage.resize_
+
+
 def _count(self, func, types, args=(), kwargs=None):
     """`_CountingMode.__torch_dispatch__`: run the op, then count the storages it made."""
     out = func(*args, **(kwargs or {}))
@@ -283,6 +343,19 @@ class _CountingMode(TorchDispatchMode):
     def __init__(self, gpu: SimulatedGPU):
         super().__init__()
         self.gpu = gpu
+
+    def __enter__(self):
+        out = super().__enter__()
+        if not hasattr(_counters, "stack"):
+            _counters.stack = []
+        _counters.stack.append(self.gpu)
+        _watch_resizes(True)
+        return out
+
+    def __exit__(self, *exc):
+        _watch_resizes(False)
+        _counters.stack.pop()
+        return super().__exit__(*exc)
 
     __torch_dispatch__ = _count
 

@@ -63,6 +63,7 @@ class EvalGuard:
         self.done = 0  # evaluation batches completed in the current attempt
         self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
         self.tries = 0  # tries of the current evaluation
+        self.size = 0   # its per_device_eval_batch_size
         # Nothing of the training is dropped (it goes on after the evaluation); what stays above
         # the baseline is named among the tensors that are neither the model's nor its optimizer's.
         self.attempter = Attempter(device, holders=self._holders)
