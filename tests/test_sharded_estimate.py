@@ -149,23 +149,35 @@ def ranks(tmp_path_factory):
     return run_ranks(str(tmp_path_factory.mktemp("fsdp")), tests)
 
 
-@pytest.mark.parametrize("name, tolerance", [
-    ("bert raf", 0.0),              # predicted from the unsharded model, settings given
-    ("bert no-raf", 0.0),           # predicted from the sharded model, settings read from it
-    ("bert bf16-params", 0.0),
-    ("bert micro 4x2 sync-off", 0.0),
+TOLERANCE = {  # how far above the measured peak the prediction may be
+    "bert raf": 0.0,                 # predicted from the unsharded model, settings given
+    "bert no-raf": 0.0,              # predicted from the sharded model, settings read from it
+    "bert bf16-params": 0.0,
+    "bert micro 4x2 sync-off": 0.0,
     # a reduce-scatter per micro-batch: a micro-batch after the first is priced on zero sharded
     # gradients made beforehand, where FSDP2's first reduce-scatter leaves a view of its padded output
-    ("bert micro 4x2 ckpt reduce-each", 0.01),
-])
-def test_each_ranks_peak_is_predicted(ranks, name, tolerance):
+    "bert micro 4x2 ckpt reduce-each": 0.01,
+}
+
+
+@pytest.mark.parametrize("name", list(TOLERANCE))
+def test_the_peak_is_predicted_where_collectives_finish_at_once(name):
+    # Real tensors, this process as rank 0 of 2 on the fake backend: FSDP2 runs as on gloo, but each
+    # collective is done when issued, so every buffer is freed where FSDP2's code drops it.
+    from fsdp_ranks import CONFIGS, measure_and_predict
+    world, mesh = sharded._fake_world(2)
+    config = next(c for c in CONFIGS if c[0] == name)
+    with sharded._entered(world):
+        measured, est = measure_and_predict(config, mesh, 0)
+    assert 0 <= est.peak_bytes - measured <= TOLERANCE[name] * measured, (measured, est.peak_bytes)
+
+
+@pytest.mark.parametrize("name", list(TOLERANCE))
+def test_each_gloo_ranks_peak_is_predicted_within_5_percent(ranks, name):
+    # gloo finishes a collective in its own thread, and what the collective held is freed there: at
+    # times later than FSDP2's code drops it (seen: 3-4% more on one rank, in about one run of ten)
     errors = [(r[name]["predicted"] - r[name]["measured"]) / r[name]["measured"] for r in ranks]
-    # The prediction is FSDP2's own timeline with collectives that finish at once: exact (or high
-    # by `tolerance`) on a rank; gloo finishing a collective in its own thread may free a buffer
-    # later on the other (seen once in 18 runs here: 4% more on one rank), so 5% on every rank.
-    best = min(errors, key=abs)
-    assert 0 <= best <= tolerance, (name, ranks[0][name], ranks[1][name])
-    assert all(abs(e) <= 0.05 for e in errors), (name, errors)
+    assert all(-0.05 <= e <= TOLERANCE[name] for e in errors), (name, errors)
     assert ranks[0][name]["predicted"] == ranks[1][name]["predicted"]  # padded shards: alike
 
 
