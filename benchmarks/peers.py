@@ -619,8 +619,9 @@ def main(argv=None) -> int:
     jobs = [JOBS[n](args) for n in names]
     for job in jobs:  # warm up imports and kernels outside any clock
         job.build()
-    print(f"models: {', '.join(j.name for j in jobs)}; hidden {args.hidden}, 2 layers (BART: 1 "
-          f"encoder + 1 decoder), seq {args.seq}, vocab 1000, random init, dropout 0; global batch "
+    layers = "2 layers" + (" (BART: 1 encoder + 1 decoder)" if "bart" in names else "")
+    print(f"models: {', '.join(j.name for j in jobs)}; hidden {args.hidden}, {layers}, "
+          f"seq {args.seq}, vocab 1000, random init, dropout 0; global batch "
           f"{g}, {args.steps} global batches per method; AdamW(lr=1e-3, foreach=True); "
           f"torch.set_num_threads(1)\n")
 

@@ -64,49 +64,57 @@ def _shard(model, mesh, raf, param_dtype):
     shard(model, **kw)
 
 
+def measure_and_predict(config, mesh, rank: int):
+    """(the simulated GPU's peak of the second of two steps of this rank, the estimate of it)."""
+    import autofit
+    from autofit.distributed.fsdp import Sharded
+    from autofit.engine.step import StepRunner
+    from autofit.estimator.sharded import estimate_sharded
+    from autofit.gpu.device import SimulatedDevice
+    from autofit.plans.plan import Plan
+    name, kind, raf, param_dtype, fields, shard_first, reduce_each = config
+    plan = Plan(**fields)
+    batch = _batch(kind, rank)
+    with autofit.simulate_gpu() as gpu:
+        model = _model(kind)
+        _shard(model, mesh, raf, param_dtype)
+        device = SimulatedDevice(gpu)
+        device.place_model(model)
+        # as autofit trains a sharded model (sum reduction, sync on the last micro-batch only)
+        switches = Sharded(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device,
+                            sync=None if reduce_each else switches.sync)
+        runner.run(batch, plan)
+        runner.run(batch, plan)  # the second step: optimizer state exists
+        measured = runner.attempt_peak()
+        runner.close()
+        del runner, model
+    # Predicted in this process, beside its own process group: from the sharded model (its
+    # settings read from it) or from an unsharded one with the settings given.
+    model = _model(kind)
+    if shard_first:
+        _shard(model, mesh, raf, param_dtype)
+        est = estimate_sharded(model, WORLD, plan, batch, reduce_each_micro_batch=reduce_each,
+                               device_type="cpu")
+    else:
+        est = estimate_sharded(model, WORLD, plan, batch, reshard_after_forward=raf,
+                               param_dtype=param_dtype, reduce_each_micro_batch=reduce_each,
+                               device_type="cpu")
+    return measured, est
+
+
 def _worker(rank, init_file, out_dir, configs):
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
-    import autofit
     from torch.distributed.device_mesh import init_device_mesh
-    from autofit.engine.step import StepRunner
-    from autofit.distributed.fsdp import Sharded
-    from autofit.estimator.sharded import estimate_sharded
-    from autofit.gpu.device import SimulatedDevice
-    from autofit.plans.plan import Plan
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
-    for name, kind, raf, param_dtype, fields, shard_first, reduce_each in configs:
-        plan = Plan(**fields)
-        batch = _batch(kind, rank)
-        with autofit.simulate_gpu() as gpu:
-            model = _model(kind)
-            _shard(model, mesh, raf, param_dtype)
-            device = SimulatedDevice(gpu)
-            device.place_model(model)
-            # as autofit trains a sharded model (sum reduction, sync on the last micro-batch only)
-            switches = Sharded(model)
-            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device,
-                                sync=None if reduce_each else switches.sync)
-            runner.run(batch, plan)
-            runner.run(batch, plan)  # the second step: optimizer state exists
-            measured = runner.attempt_peak()
-            runner.close()
-            del runner, model
-        # Predicted in this process, beside its real gloo group: from the sharded model (its
-        # settings read from it) or from an unsharded one with the settings given.
-        model = _model(kind)
-        if shard_first:
-            _shard(model, mesh, raf, param_dtype)
-            est = estimate_sharded(model, WORLD, plan, batch, reduce_each_micro_batch=reduce_each,
-                                   device_type="cpu")
-        else:
-            est = estimate_sharded(model, WORLD, plan, batch, reshard_after_forward=raf,
-                                   param_dtype=param_dtype, reduce_each_micro_batch=reduce_each,
-                                   device_type="cpu")
+    for config in configs:
+        name = config[0]
+        measured, est = measure_and_predict(config, mesh, rank)
         out[name] = {"measured": measured, "predicted": est.peak_bytes, "breakdown": est.breakdown,
                      "resident": est.resident}
         dist.barrier()  # the group still works after an estimate swapped the world in and out

@@ -2,8 +2,6 @@
 is replayed at the same plan after the cache is emptied, once per global batch, before the ladder
 steps down; the replay's attempt says "fragmentation" and why."""
 
-import logging
-
 import pytest
 import torch
 
@@ -111,7 +109,8 @@ def test_the_threshold_is_the_segment_the_request_needed(request_, free, unalloc
 
 
 def test_the_request_is_read_from_the_message_and_its_causes():
-    assert requested(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 MiB. GPU 0")) == 6 * MiB
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 MiB. GPU 0")
+    assert requested(oom) == 6 * MiB
     assert requested(RuntimeError("Tried to allocate 512 bytes (GPU 0; ...)")) == 512
     try:
         try:

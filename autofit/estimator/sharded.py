@@ -173,6 +173,12 @@ def _unsharded_fake(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
         memo[id(state)] = gone
         for group in getattr(state, "_fsdp_param_groups", ()) or ():
             memo[id(group)] = gone
+    for m in model.modules():  # hooks of the training machinery (autofit's agreements): not copied
+        for hooks in vars(m).values():
+            if isinstance(hooks, dict) and not isinstance(hooks, torch.nn.Module):
+                for owner in (getattr(h, "__self__", None) for h in hooks.values()):
+                    if type(owner).__module__.startswith(("torch.distributed", "autofit.")):
+                        memo[id(owner)] = gone
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)  # a DTensor's fake is its global shape
@@ -257,6 +263,8 @@ class ShardedEstimator(Estimator):
             # FSDP2's switches as autofit trains a sharded model (sum reduction; sync on the last)
             from autofit.distributed.fsdp import Sharded
             self.switches = Sharded(self.model)
+            self._meter = None  # the measure's meter (see _device)
+            self._tag_kinds()
             sharded = dict(self.model.named_parameters(remove_duplicate=False))
             # the user's parameters -> this copy's sharded ones (fully_shard replaced them)
             fakes = {k: sharded[names[id(f)]] for k, f in fakes.items() if id(f) in names}
@@ -266,6 +274,31 @@ class ShardedEstimator(Estimator):
             self.batch = _map_tensors(batch, fake_like)
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
+
+    def _tag_kinds(self) -> None:
+        """What FSDP2 allocates is counted by kind, in the breakdown: a unit's all-gather and its
+        unsharded parameters as params, its reduce-scatter and sharded gradients as grads (this
+        copy's own parameter groups are wrapped; the user's model is never touched)."""
+        from torch.distributed.fsdp import FSDPModule
+        for unit in self.model.modules():
+            if not isinstance(unit, FSDPModule):
+                continue
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for name, kind in (("unshard", "params"), ("wait_for_unshard", "params"),
+                                   ("post_backward", "grads")):
+                    setattr(group, name, self._as_kind(getattr(group, name), kind))
+
+    def _as_kind(self, method, kind: str):
+        def counted(*args, **kwargs):
+            if self._meter is None:
+                return method(*args, **kwargs)
+            with self._meter.as_kind(kind):
+                return method(*args, **kwargs)
+        return counted
+
+    def _device(self, meter):
+        self._meter = meter
+        return super()._device(meter)
 
     def _sample(self, error: Exception) -> None:
         # Real rows cannot stand in for W ranks: say what fake tensors could not follow.

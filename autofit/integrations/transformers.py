@@ -15,7 +15,7 @@ Decisions, with their reasons:
 - Micro-batches divide the rows per step. The Trainer's accumulation is a count of equal loader
   batches, so a micro-batch that does not divide `per_device * accumulation` would change the
   effective batch. The fit takes the fastest plan the estimator predicts to fit (capacity.rank,
-  within start.MARGIN of the budget) after rounding each fitting plan's micro-batch down to a
+  the budget as start.headroom compares them) after rounding each fitting plan's micro-batch down to a
   divisor (a smaller micro-batch of the same configuration needs no more memory); the ladder
   halves to divisors too. A prime number of rows can only go to one row per micro-batch.
 - The user's explicit choices stay: `bf16`/`fp16` already set in the arguments fix the precision

@@ -30,7 +30,7 @@ from autofit.engine.controller import Controller
 from autofit.errors import DoesNotFit
 from autofit.plans.ladder import Move, SizeLog, config_of
 from autofit.plans.plan import Plan
-from autofit.estimator.start import MARGIN, estimated_start, tensor_budget
+from autofit.estimator.start import estimated_start, headroom, tensor_budget
 from autofit.engine.step import StepRunner
 
 HALVINGS = 2  # smaller micro-batches per configuration: about 1/2 and 1/4 of the largest that fits
@@ -167,7 +167,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
         allowed = precisions.allowed(precision, device.supports_bf16())
         for other in [p for p in allowed if p != default.precision]:
             fitting += [c.plan for c in rank(model, batch, tensor_budget(device), precision=other,
-                                             optimizer=optimizer, loss_fn=loss_fn, margin=MARGIN,
+                                             optimizer=optimizer, loss_fn=loss_fn, **headroom(device),
                                              device_type="cuda" if device.type == "cuda" else "cpu",
                                              bf16_supported=device.supports_bf16()) if c.fits]
     largest: dict[tuple, int] = {}

@@ -3,7 +3,7 @@
 The search space
 ----------------
 `autofit.run` starts from the plan the capacity check predicts to be fastest (`start.estimated_start`:
-`capacity.rank` with the runner's MARGIN, then `capacity.choose`): the *default plan*. The cost model
+`capacity.rank` with the device's `start.headroom`, then `capacity.choose`): the *default plan*. The cost model
 behind that choice is a model, and `rank` stops estimating as soon as no other plan could beat its
 best one by that model, so `rank` alone returns a single fitting plan in most jobs. tune measures:
 
