@@ -18,6 +18,7 @@ from autofit.commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageE
 from autofit.commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
 from autofit.commands.demo import DEMO_BATCH, DEMO_BUDGET, DEMO_STEPS, cmd_demo
 from autofit.commands.probe import VERIFY_STEPS, cmd_probe
+from autofit.plans import precision as precisions
 
 log = logging.getLogger("autofit")
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="global batch: samples per optimizer step (default 32)")
     probe.add_argument("--seq-len", type=int, default=128, metavar="N",
                        help="tokens per sample (default 128)")
-    probe.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+    probe.add_argument("--precision", choices=precisions.policies(), default=precisions.AUTO,
                        help="auto: may choose bf16 autocast; otherwise only that precision (default auto)")
     probe.add_argument("--context-reserve", metavar="SIZE", default=None,
                        help="the CUDA context's memory to subtract (default: measured when CUDA is "

@@ -38,7 +38,10 @@ from autofit.sizes import format_size, parse_size  # noqa: E402
 from autofit.engine.step import StepRunner  # noqa: E402
 
 CONTEXT = parse_size("0.4GiB")  # the CUDA context: outside any tensor budget
-MARGIN = 0.9                     # autofit.estimator.start.MARGIN: room left for what the estimate misses
+# On a card the check compares the reserved peak with the budget less the workspace reserve
+# (autofit.estimator.start.headroom on CUDA).
+from autofit.estimator.start import WORKSPACE_RESERVE  # noqa: E402
+ON_CARD = {"caps": "reserved", "reserve": WORKSPACE_RESERVE}
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
@@ -100,7 +103,7 @@ def scibert_full():
     validation = autofit.estimate(model, batch(2 * rows), Plan.for_batch(2 * rows, rows),
                                   optimizer=optimizer, loss_fn=validation_without_no_grad)
     started = time.perf_counter()
-    candidates = rank(model, train, budget, optimizer=optimizer, margin=MARGIN)
+    candidates = rank(model, train, budget, optimizer=optimizer, **ON_CARD)
     chosen = choose(candidates)
     seconds = time.perf_counter() - started
     evaluation = autofit.estimate(model, batch(4 * rows), Plan(4 * rows), optimizer=optimizer,
@@ -115,9 +118,9 @@ def scibert_full():
                       "optimizer state still resident"),
     ]
     print(table(HEADERS, rows_))
-    print(f"  budget: 14.75 GiB - {gib(CONTEXT)} CUDA context = {gib(budget)}; autofit plans within "
-          f"{MARGIN:.0%} of it ({gib(int(budget * MARGIN))}).")
-    print(f"  autofit chose {chosen.plan.describe()}: {needs_message(candidates, budget, margin=MARGIN)}")
+    print(f"  budget: 14.75 GiB - {gib(CONTEXT)} CUDA context = {gib(budget)}; autofit plans the reserved "
+          f"peak within {gib(budget - WORKSPACE_RESERVE)} of it ({gib(WORKSPACE_RESERVE)} for workspaces).")
+    print(f"  autofit chose {chosen.plan.describe()}: {needs_message(candidates, budget, **ON_CARD)}")
     print(f"  why the report failed in validation, not training: without torch.no_grad() the loop "
           f"keeps two forward graphs (the previous output is alive while the next forward runs) and "
           f"the last step's gradients: {gib(validation.peak_bytes)} against {gib(naive.peak_bytes)} "
@@ -152,8 +155,8 @@ def lm_two_phase_full():
     first = max(stateless.peak_bytes, naive.step_bytes or 0)
     state = naive.resident["optimizer"]
     started = time.perf_counter()
-    one = rank(model, batch, budget, optimizer=phase1, margin=MARGIN)
-    two = rank(model, batch, budget, optimizer=phase2, margin=MARGIN)
+    one = rank(model, batch, budget, optimizer=phase1, **ON_CARD)
+    two = rank(model, batch, budget, optimizer=phase2, **ON_CARD)
     seconds = time.perf_counter() - started
     a, b = choose(one), choose(two)
     rows_ = [
@@ -171,8 +174,8 @@ def lm_two_phase_full():
     print(f"  model: {millions:.1f} M parameters; resident per plan (params, grads, AdamW state): "
           f"{', '.join(gib(naive.resident[k]) for k in ('params', 'grads', 'optimizer'))}; budget "
           f"2 GiB - {gib(CONTEXT)} context = {gib(budget)}.")
-    print(f"  phase 1: {needs_message(one, budget, margin=MARGIN)}")
-    print(f"  phase 2: {needs_message(two, budget, margin=MARGIN)}")
+    print(f"  phase 1: {needs_message(one, budget, **ON_CARD)}")
+    print(f"  phase 2: {needs_message(two, budget, **ON_CARD)}")
     print("  why the plain loop fails at its second iteration: AdamW allocates its two moments "
           f"({gib(state)}) at the first optimizer.step(), so from the second iteration on they sit "
           "next to the activations. autofit estimates a second iteration before training and runs "

@@ -222,7 +222,7 @@ def _call(go):
 @pytest.mark.parametrize("path,guarded", [("simulated", True), ("simulated", False), ("plain", False)],
                          ids=["simulated-guarded", "simulated-unguarded", "plain-cpu-unguarded"])
 def test_a_fault_at_every_allocation_of_a_step_in_a_run_never_replays_a_partial_update(
-        path, guarded, monkeypatch):
+        path, guarded, monkeypatch, frozen_heap):
     """Step 2 of 3 fails at each of its allocations in turn. Guarded, the update is rolled back
     and replayed once (AdamW's counters end at 3, parameters as without the fault); unguarded
     (a step whose measured need fitted, or the plain CPU, which cannot tell), the run stops with

@@ -135,11 +135,12 @@ def probe_json(capsys, *argv):
 
 PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
                "per_parameter_step"]
-ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "fits", "cost", "chosen"]
+ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",
-               "context_reserve_bytes", "context_reserve_source", "budget_bytes", "margin", "usable_bytes",
-               "fits", "plan", "predicted_peak_bytes", "table", "breakdown", "reason"]
+               "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_reserve_bytes",
+               "usable_bytes", "fits", "plan", "predicted_peak_bytes", "predicted_reserved_bytes", "table",
+               "breakdown", "reason"]
 
 
 def test_probe_json_fits(capsys):
@@ -151,7 +152,7 @@ def test_probe_json_fits(capsys):
     assert got["context_reserve_bytes"] == probe.DEFAULT_CONTEXT_RESERVE == 429496729
     assert got["context_reserve_source"] == "assumed: no CUDA here to measure it"
     assert got["budget_bytes"] == 2**30 - 429496729
-    assert (got["margin"], got["usable_bytes"]) == (0.9, int((2**30 - 429496729) * 0.9))
+    assert (got["workspace_reserve_bytes"], got["usable_bytes"]) == (64 * 2**20, 2**30 - 429496729 - 64 * 2**20)
     assert (got["model"], got["model_class"], got["parameters"]) == ("tiny-bert",
                                                                      "BertForSequenceClassification", 168258)
     assert (got["batch_size"], got["seq_len"], got["precision"]) == (8, 16, "auto")
@@ -164,6 +165,10 @@ def test_probe_json_fits(capsys):
     assert len(chosen) == 1 and chosen[0]["fits"] is True
     assert {k: chosen[0][k] for k in PLAN_FIELDS} == got["plan"]
     assert chosen[0]["peak_bytes"] == got["predicted_peak_bytes"]
+    # The reserved peak decides, and it is the allocated peak in whole 2 MiB segments (tiny-bert's
+    # tensors are small-pool requests).
+    assert chosen[0]["reserved_bytes"] == got["predicted_reserved_bytes"] <= got["usable_bytes"]
+    assert got["predicted_reserved_bytes"] == -(-got["predicted_peak_bytes"] // (2 * 2**20)) * 2 * 2**20
     assert list(got["breakdown"]) == KINDS
     assert sum(got["breakdown"].values()) == got["predicted_peak_bytes"]
     assert got["breakdown"]["params"] >= 168258 * 4  # fp32 master weights
@@ -178,20 +183,21 @@ def test_probe_text_fits(capsys):
         "global batch     8 x 16 tokens",
         "gpu memory       1.00 GiB",
         "context reserve  512.00 MiB (given)",
-        "budget           512.00 MiB for tensors; a plan fits in 90% of it (460.80 MiB), the rest is left "
-        "to allocator fragmentation",
+        "budget           512.00 MiB for tensors; a plan fits when its reserved peak is within 448.00 MiB, "
+        "64.00 MiB kept for cuBLAS/cuDNN workspaces",
     ]
     assert lines[6] == ("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
                         "whole batch):")
-    assert lines[7].split() == ["micro", "accum", "precision", "checkpointing", "offload", "time", "predicted",
-                                "peak", "fits"]
+    assert lines[7].split() == ["micro", "accum", "precision", "checkpointing", "offload", "time", "allocated",
+                                "peak", "reserved", "peak", "fits"]
     # Plenty of room: the whole batch at once in fp32, the fastest plan, is the first row and chosen.
-    assert lines[9].split() == ["*", "8", "1", "fp32", "no", "no", "1.00", *lines[9].split()[7:9], "yes"]
+    assert lines[9].split() == ["*", "8", "1", "fp32", "no", "no", "1.00", *lines[9].split()[7:11], "yes"]
     chosen = [line for line in lines if line.startswith("*")]
     assert len(chosen) == 1 and chosen[0].endswith("yes")
     assert any(line.startswith("chosen plan: micro ") for line in lines)
     assert any(line.startswith("predicted peak: ") and "of a 512.00 MiB budget (params " in line
                for line in lines)
+    assert any(line.startswith("predicted reserved peak: 4.00 MiB of 448.00 MiB usable (") for line in lines)
     assert err == ""
 
 
@@ -217,7 +223,7 @@ def test_probe_json_does_not_fit(capsys):
     assert all(r["fits"] is False and r["chosen"] is False for r in got["table"])
     assert list(got["breakdown"]) == KINDS
     assert got["breakdown"]["params"] > got["budget_bytes"]
-    assert got["predicted_peak_bytes"] == min(r["peak_bytes"] for r in got["table"])
+    assert got["predicted_reserved_bytes"] == min(r["reserved_bytes"] for r in got["table"])
 
 
 def test_probe_card_smaller_than_the_context_reserve(capsys):
@@ -314,7 +320,8 @@ def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib):
     plan = Plan(micro, accum, precision)
     breakdown = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
                  "activations": activations_mib * MiB, "other": (peak_mib - 400 - activations_mib) * MiB}
-    return Candidate(plan, MemoryEstimate(plan, peak_mib * MiB, breakdown), fits, cost)
+    return Candidate(plan, MemoryEstimate(plan, peak_mib * MiB, breakdown, reserved_bytes=(peak_mib + 20) * MiB),
+                     fits, cost)
 
 
 def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
@@ -334,39 +341,45 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert calls == [("BertForSequenceClassification", {"input_ids": [8, 16], "attention_mask": [8, 16],
                                                         "labels": [8]}, 824 * MiB,
-                      {"precision": "auto", "margin": 0.9, "device_type": "cuda"})]
+                      {"precision": "auto", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda"})]
     assert out.splitlines()[6:] == [
         "plans estimated, fastest first (* chosen; time relative to one fp32 pass over the whole batch):",
-        "   micro  accum  precision  checkpointing  offload  time  predicted peak  fits",
-        "-  -----  -----  ---------  -------------  -------  ----  --------------  ----",
-        "      32      1  fp32       no             no       1.00      900.00 MiB  no",
-        "*     16      2  fp32       no             no       1.03      700.00 MiB  yes",
-        "       8      4  bf16       no             no       1.25      500.00 MiB  yes",
+        "   micro  accum  precision  checkpointing  offload  time  allocated peak  reserved peak  fits",
+        "-  -----  -----  ---------  -------------  -------  ----  --------------  -------------  ----",
+        "      32      1  fp32       no             no       1.00      900.00 MiB     920.00 MiB  no",
+        "*     16      2  fp32       no             no       1.03      700.00 MiB     720.00 MiB  yes",
+        "       8      4  bf16       no             no       1.25      500.00 MiB     520.00 MiB  yes",
         "",
         "chosen plan: micro 16 x 2, fp32",
         "predicted peak: 700.00 MiB of a 824.00 MiB budget (params 100.00 MiB, grads 100.00 MiB, "
         "optimizer 200.00 MiB, activations 290.00 MiB, other 10.00 MiB)",
+        "predicted reserved peak: 720.00 MiB of 760.00 MiB usable (20.00 MiB of segments and cached blocks "
+        "above the allocated peak)",
     ]
     assert err == ""
     assert main(argv + ["--json", "--precision", "bf16"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert calls[-1][3] == {"precision": "bf16", "margin": 0.9, "device_type": "cuda"}
+    assert calls[-1][3] == {"precision": "bf16", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda"}
     assert [r["chosen"] for r in got["table"]] == [False, True, False]
     assert got["plan"] == Plan(16, 2).to_dict()
-    assert got["predicted_peak_bytes"] == 700 * MiB
+    assert (got["predicted_peak_bytes"], got["predicted_reserved_bytes"]) == (700 * MiB, 720 * MiB)
+    assert [r["reserved_bytes"] for r in got["table"]] == [920 * MiB, 720 * MiB, 520 * MiB]
     assert got["breakdown"] == {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
                                 "activations": 290 * MiB, "other": 10 * MiB}
     assert [r["cost"] for r in got["table"]] == [1.0, 1.0303, 1.2545]
 
 
-def test_probe_margin_leaves_room_for_fragmentation(capsys):
-    # tiny-bert 8 x 16 in fp32 is predicted at 3.25 MiB: it fits a 3.5 MiB budget only without a margin.
-    code, got, _ = probe_json(capsys, "--gpu-mem", "3.5MiB", "--context-reserve", "0", *TINY)
+def test_probe_compares_the_reserved_peak_with_what_the_workspaces_leave(capsys):
+    # tiny-bert 8 x 16 in fp32 is predicted at 3.25 MiB allocated, 4 MiB reserved (two 2 MiB
+    # segments): 3.5 MiB after the workspace reserve holds the allocated peak but not the reserved.
+    code, got, _ = probe_json(capsys, "--gpu-mem", f"{64 * MiB + 3.5 * MiB:.0f}", "--context-reserve", "0", *TINY)
     first = got["table"][0]
     assert (first["micro_batch_size"], first["precision"], first["offload_optimizer"]) == (8, "fp32", False)
-    assert 0.9 * 3.5 * MiB < first["peak_bytes"] <= 3.5 * MiB
+    assert got["usable_bytes"] == 3.5 * MiB
+    assert first["peak_bytes"] <= 3.5 * MiB < first["reserved_bytes"] == 4 * MiB
     assert first["fits"] is False
     assert code == 0 and got["plan"] != Plan(8, 1).to_dict()
+    assert got["predicted_reserved_bytes"] <= 3.5 * MiB
 
 
 def test_probe_measures_the_context_reserve_where_cuda_is(capsys, monkeypatch):
@@ -393,13 +406,14 @@ def test_probe_verify_trains_real_steps_under_the_budget(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
-    code = main(["probe", "--gpu-mem", "4MiB", "--context-reserve", "0", "--verify", *TINY])
+    # 4 MiB for tensors once the workspace reserve (64 MiB) is kept.
+    code = main(["probe", "--gpu-mem", "68MiB", "--context-reserve", "0", "--verify", *TINY])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert calls == [("BertForSequenceClassification", {"cpu"}, 3, 4 * 2**20,
+    assert calls == [("BertForSequenceClassification", {"cpu"}, 3, 68 * 2**20,
                       {"precision": "auto", "progress": False, "cache": False})]
     lines = out.splitlines()
-    start = lines.index("verifying: 3 real steps on CUDA under a 4.00 MiB budget")
+    start = lines.index("verifying: 3 real steps on CUDA under a 68.00 MiB budget")
     assert lines[start + 1].split() == ["step", "plan", "outcome", "peak", "reason"]
     assert [line.split()[:7] for line in lines[start + 3:start + 6]] == [
         [str(step), "micro", "8", "x", "1,", "fp32", "ok"] for step in range(3)]

@@ -68,7 +68,7 @@ def test_a_failing_estimator_is_said_once_and_the_run_is_as_without_the_check(mo
 
     unchecked = autofit.run(mlp(), mlp_data(3), loss_fn=xy_loss, budget="900KiB", cache=False,
                             progress=False, capacity_check=False)
-    monkeypatch.setattr(capacity, "Estimator", broken)
+    monkeypatch.setattr(capacity.Estimator, "__init__", broken)
     with caplog.at_level(logging.INFO, logger="autofit"):
         checked = autofit.run(mlp(), mlp_data(3), loss_fn=xy_loss, budget="900KiB", cache=False,
                               progress=False)

@@ -6,7 +6,8 @@ import autofit
 from autofit.engine.controller import Attempt
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EvalAttempt, EvalResult
-from autofit.diagnosis.explain import explain, fixes_for
+from autofit.diagnosis.explain import explain
+from autofit.diagnosis.fixes import fixes_for
 from autofit.plans.plan import Plan
 from autofit.recipes.run import RunResult
 

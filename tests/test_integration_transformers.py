@@ -120,7 +120,9 @@ def reference(tmp_path, per, accum):
 
 # -- (a) fit ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget, per, accum", [("1MiB", 8, 4), ("2MiB", 16, 2), ("3MiB", 32, 1)])
+# The simulated GPU caps allocated bytes: the predicted peak against all of the budget (predicted:
+# 8 x 4 0.92 MiB, 16 x 2 1.16 MiB, 32 x 1 1.87 MiB).
+@pytest.mark.parametrize("budget, per, accum", [("1MiB", 8, 4), ("1.5MiB", 16, 2), ("2MiB", 32, 1)])
 def test_fit_sets_batch_and_accumulation_keeping_the_effective_batch(tmp_path, budget, per, accum):
     trainer = make(tmp_path, "fit")  # 16 x 2: effective batch 32
     fitted = fit_trainer(trainer, budget=budget)
@@ -128,7 +130,7 @@ def test_fit_sets_batch_and_accumulation_keeping_the_effective_batch(tmp_path, b
     assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (per, accum)
     assert trainer._train_batch_size == per  # the Trainer's cached copy follows
     assert fitted.effective_batch == 32 and fitted.plan.precision == "fp32" and not trainer.args.bf16
-    assert fitted.predicted_peak <= 0.9 * autofit.parse_size(budget)
+    assert fitted.predicted_peak <= autofit.parse_size(budget)
 
 
 def test_fit_rounds_the_micro_batch_down_to_a_divisor(tmp_path):

@@ -13,8 +13,10 @@ import torch
 import autofit
 from autofit.gpu.device import CpuDevice, SimulatedDevice
 from autofit.diagnosis.explain import explain
-from autofit.diagnosis.leaks import (FIX_BATCH, FIX_GROWTH, FIX_LOSS, FIX_NODE, FIX_OPTIMIZER, FIX_OUTPUT,
-                           FIX_TENSOR, LeakWatch, batch_on_device)
+from autofit.diagnosis.leak_kinds import (FIX_BATCH, FIX_GROWTH, FIX_LOSS, FIX_NODE, FIX_OPTIMIZER, FIX_OUTPUT,
+                                         FIX_TENSOR)
+from autofit.diagnosis.leaks import LeakWatch
+from autofit.diagnosis.on_device import batch_on_device
 from autofit.plans.plan import Plan
 from autofit.recipes.run import RunResult
 from autofit.engine.step import StepRunner

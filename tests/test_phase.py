@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import autofit
-from autofit.diagnosis.explain import fixes_for
+from autofit.diagnosis.fixes import fixes_for
+from autofit.gpu.device import CpuDevice
+from autofit.plans.applies import not_applicable, unavailable_changes
+from autofit.plans.plan import Plan
 
 BUDGET = 1_900_000  # bytes: forward/backward and a per-parameter AdamW step fit, a foreach step does not
 
@@ -57,6 +60,7 @@ def test_an_optimizer_step_oom_takes_a_per_parameter_step_not_bf16_or_checkpoint
     assert ("  - a per-parameter optimizer step (foreach=False): the optimizer step itself ran out of "
             "memory") in text and "[autofit did this next]" in text
     assert "gradient accumulation" not in text and "mixed precision" not in text
+    assert result.attempts[0].unavailable == {} and "not offered" not in text  # every fix applies here
     assert [f.key for f in fixes_for(memory, result.attempts[0].plan, BUDGET, "optimizer.step")] == [
         "per-parameter-step", "offload"]
 
@@ -75,6 +79,41 @@ def test_a_step_already_per_parameter_goes_to_offload_and_says_why():
         "optimizer state moves to CPU memory (SetField(per_parameter_step=True) skipped: a "
         "per-parameter optimizer step does not apply: AdamW already updates one parameter at a time "
         "(foreach off))")
+    # explain reads the same rule: it does not offer the move the ladder skipped, and says why
+    skipped = ("a per-parameter optimizer step does not apply: AdamW already updates one parameter at a "
+               "time (foreach off)")
+    assert result.attempts[0].unavailable == {"per_parameter_step": skipped}
+    text = autofit.explain(result)
+    assert "  - a per-parameter optimizer step (foreach=False):" not in text
+    assert f"  not offered: a per-parameter optimizer step (foreach=False) ({skipped}).\n" in text
+    assert [f.key for f in fixes_for(result.attempts[0].memory, result.attempts[0].plan, 1_700_000,
+                                     "optimizer.step", result.attempts[0].unavailable)] == ["lighter-model", "offload"]
+
+
+def test_unavailable_changes_follow_the_applies_rule():
+    """The plan changes a fix would make, judged by not_applicable as the ladder judges its moves."""
+    class NoBf16(CpuDevice):
+        def supports_bf16(self):
+            return False
+
+    flat = torch.nn.Linear(4, 4)  # no repeated blocks: checkpointing does not apply
+    sgd = torch.optim.SGD(flat.parameters(), lr=0.1, foreach=True)  # a per-parameter step would help
+    adamw = torch.optim.AdamW(flat.parameters())  # foreach=None on CPU: already one at a time
+    device = CpuDevice()
+
+    def applies(optimizer, on=device):
+        return lambda plan: not_applicable(plan, flat, optimizer, on)
+
+    checkpointing = ("activation checkpointing does not apply to Linear: it has no repeated blocks "
+                     "(ModuleList/Sequential) and no Hugging Face switch")
+    assert unavailable_changes(Plan(4), applies(sgd)) == {"checkpointing": checkpointing}
+    assert unavailable_changes(Plan(4), applies(adamw, NoBf16())) == {
+        "checkpointing": checkpointing,
+        "per_parameter_step": "a per-parameter optimizer step does not apply: AdamW already updates one "
+                              "parameter at a time (foreach off)"}  # fp16 still applies without bf16
+    assert unavailable_changes(Plan(4, offload_optimizer=True), applies(adamw)) == {"checkpointing": checkpointing}
+    assert unavailable_changes(Plan(4, precision="bf16"), applies(sgd, NoBf16())) == {}  # the plan itself cannot run
+    assert unavailable_changes(Plan(4), None) == {}
 
 
 def test_the_optimizer_groups_are_restored_when_the_run_ends():

@@ -13,6 +13,9 @@ from autofit.plans.plan import Plan
 from reference import bert, cls_batches, gpt2, lm_batches, max_diff, plain_loop
 from reference import second_step_peak as reference_peak
 
+# Many runs, each ending (and recovering from an OOM) with a full gc.collect(): see frozen_heap.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 def second_step_peak(make_model, batch, plan):
     return reference_peak(make_model(), batch, plan)

@@ -14,6 +14,9 @@ import autofit
 from autofit.plans.ladder import offload_optimizer
 from reference import bert, plain_loop, plain_loop_fn
 
+# Many runs, each ending (and recovering from an OOM) with a full gc.collect(): see frozen_heap.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 def halve(plan):
     return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None

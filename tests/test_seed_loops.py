@@ -21,6 +21,9 @@ from autofit.plans.plan import Plan
 from autofit.engine.step import StepRunner
 from reference import bert, cls_batches, max_diff
 
+# Many runs, each ending (and recovering from an OOM) with a full gc.collect(): see frozen_heap.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 
 def peak(model, batch, plan, loss_fn=None):
     """Peak bytes of a global step once AdamW's state exists, on the simulated GPU."""

@@ -332,3 +332,10 @@ def test_live_storages_lists_what_is_held():
         assert held == [512, 4096]
         assert {s.data_ptr() for s, _ in gpu.live_storages()} == {a.untyped_storage().data_ptr(),
                                                                  b.untyped_storage().data_ptr()}
+
+
+def test_inner_tensors_reads_a_generator_once_and_keeps_every_tensor():
+    from autofit.gpu.simulate import inner_tensors
+    a, b = torch.zeros(3), torch.ones(2)
+    assert [t is x for t, x in zip(inner_tensors(t for t in (a, b)), (a, b))] == [True, True]
+    assert len(inner_tensors(iter([a, b]))) == 2

@@ -19,6 +19,9 @@ from autofit.tuning.study import TuneTrial
 from models import bert_batch, tiny_bert
 from reference import second_step_peak
 
+# Many runs, each ending (and recovering from an OOM) with a full gc.collect(): see frozen_heap.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 # `autofit.tune` is the function; its module is autofit.tuning.tune.
 tune_module = importlib.import_module("autofit.tuning.tune")
 throughput = importlib.import_module("autofit.tuning.throughput")

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
+from autofit.plans.precision import policies
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -123,7 +125,7 @@ def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: 
                                  "pass the optimizer class name, e.g. 'AdamW'"),
         "global_batch": _check_int("global_batch", global_batch, allow_none=False, minimum=1,
                                    hint="pass the samples per optimizer step"),
-        "precision": _check_text("precision", precision, "pass the policy, e.g. 'auto', 'fp32', 'bf16'"),
+        "precision": _check_text("precision", precision, "pass the policy, one of " + ", ".join(policies())),
         "device": {
             "name": _check_text("device_name", device_name, "pass the GPU name or 'simulated'"),
             "total": _check_int("device_total", device_total, allow_none=True, minimum=0,

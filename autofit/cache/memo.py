@@ -5,6 +5,11 @@ are loaded into the micro-batch search, so the second run makes no OOM attempt a
 cached plan is the one proven for the longest rows trained (variable-length data); the sizes proven
 for shorter rows come with it.
 A cache that cannot be read or written never stops training: it is reported and skipped.
+
+Each entry also carries the calibration its run measured (measured peak / estimated peak, see
+`autofit.estimator.guide`) and which peak it compares ("reserved" or "allocated"). The factor is
+about the model on the device, not about the job: `calibration` finds the newest one stored for the
+same model on the same device (same torch and autofit), whatever its batch, budget or optimizer.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from autofit.cache.store import PlanCache
 from autofit.cache.fingerprint import job_key
 from autofit.plans.ladder import SizeLog, config_of
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 
 log = logging.getLogger("autofit")
@@ -44,6 +50,26 @@ class Memo:
             self.enabled = False
             return
         self.started = time.perf_counter()
+        self.known: dict = {}  # caps -> the calibration read for this model and device
+
+    def calibration(self, caps: str) -> float | None:
+        """The newest calibration cached for this model on this device comparing `caps` peaks,
+        or None (none stored, or no cache)."""
+        if not self.enabled:
+            return None
+        try:
+            entries = self.cache.entries()  # newest first; invalid rows are skipped there
+        except Exception as error:  # a cache that cannot be read never stops training
+            log.warning("plan cache %s not read: %s", self.cache.path, error)
+            return None
+        same = ("model", "device", "torch", "autofit")
+        for row in entries:
+            entry, fields = row["entry"], row["fields"]
+            if all(fields.get(k) == self.fields[k] for k in same) and \
+                    entry.get("calibrated_peak") == caps and entry.get("calibration") is not None:
+                self.known[caps] = entry["calibration"]
+                return entry["calibration"]
+        return None
 
     def recall(self, sizes: SizeLog, applies=None) -> tuple[Plan, dict] | None:
         """The cached plan and its entry, with the sizes it was proven against loaded into `sizes`.
@@ -67,7 +93,7 @@ class Memo:
         if plan is None:
             return None
         wrong = None
-        if self.precision != "auto" and plan.precision != self.precision:
+        if self.precision != precisions.AUTO and plan.precision != self.precision:
             wrong = f"its plan is {plan.precision} but this job asks for precision={self.precision!r}"
         elif applies is not None:
             wrong = applies(plan)
@@ -98,8 +124,11 @@ class Memo:
         return plan, entry
 
     def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,
-                 calibration: float | None = None, throughput: float | None = None) -> None:
-        """Cache the plan proven for the longest rows trained, with the sizes proven for each length."""
+                 calibration: float | None = None, throughput: float | None = None,
+                 calibrated: str | None = None) -> None:
+        """Cache the plan proven for the longest rows trained, with the sizes proven for each length.
+        `calibration`: the factor this run measured, comparing `calibrated` peaks ("reserved" or
+        "allocated"); without one, the factor read at the start (if any) is kept."""
         if not self.enabled:
             return
         longest = sizes.longest_fit(plan)
@@ -107,6 +136,9 @@ class Memo:
         if longest is not None:
             length, size = longest
             plan = plan.with_micro_batch(size, self.global_batch)
+        if calibration is None and calibrated is not None:  # keep what is known, never erase it
+            calibration = self.known[calibrated] if calibrated in self.known else \
+                self.calibration(calibrated)
         ok = [a.peak_bytes for a in attempts if a.outcome == "ok" and a.plan == plan]
         seconds = time.perf_counter() - self.started
         config = config_of(plan)
@@ -116,6 +148,7 @@ class Memo:
             "plan": plan.to_dict(),
             "peak_bytes": max(ok) if ok else 0,
             "calibration": calibration,
+            "calibrated_peak": calibrated,
             # samples/s: measured by the caller (autofit.tune), else over this run
             "throughput": throughput if throughput is not None else (
                 samples / seconds if seconds > 0 and samples else None),

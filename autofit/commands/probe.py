@@ -12,7 +12,6 @@ from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_ta
 # outside any allocator budget.
 DEFAULT_CONTEXT_RESERVE = 2**30 * 2 // 5  # 0.4 GiB
 VERIFY_STEPS = 3
-MARGIN = 0.9  # plans must fit this share of the budget: CUDA's allocator fragments (DESIGN: 3-40%)
 
 
 def context_reserve(override: str | None) -> tuple[int, str]:
@@ -30,6 +29,7 @@ def context_reserve(override: str | None) -> tuple[int, str]:
 def _plan_row(candidate, chosen) -> dict:
     plan = candidate.plan
     return {**plan.to_dict(), "peak_bytes": int(candidate.estimate.peak_bytes),
+            "reserved_bytes": int(candidate.estimate.peak("reserved")),
             "fits": bool(candidate.fits), "cost": candidate.cost, "chosen": candidate is chosen}
 
 
@@ -43,6 +43,7 @@ def cmd_probe(args) -> int:
                          "drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
     from autofit.commands import models
+    from autofit.estimator.start import WORKSPACE_RESERVE
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
@@ -51,31 +52,36 @@ def cmd_probe(args) -> int:
               "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision,
               "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
-              "margin": MARGIN, "usable_bytes": max(int(budget * MARGIN), 0)}
+              "workspace_reserve_bytes": WORKSPACE_RESERVE,
+              "usable_bytes": max(budget - WORKSPACE_RESERVE, 0)}
     if budget <= 0:
         reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
                   f"({format_size(reserve)}); nothing is left for tensors.")
         result = {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                  "table": [], "breakdown": None, "reason": reason}
+                  "predicted_reserved_bytes": None, "table": [], "breakdown": None, "reason": reason}
         return _probe_report(args, result, None)
 
     from autofit.estimator import capacity
     try:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
-            candidates = capacity.rank(model, batch, budget, precision=args.precision, margin=MARGIN,
-                                       device_type="cuda")
+            # A card's limit caps what the caching allocator reserves: the reserved peak decides.
+            candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
+                                       reserve=WORKSPACE_RESERVE, device_type="cuda")
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
         return _cannot_estimate(args, {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                                       "table": [], "breakdown": None, "reason": reason})
+                                       "predicted_reserved_bytes": None, "table": [], "breakdown": None,
+                                       "reason": reason})
     chosen = capacity.choose(candidates)
-    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak_bytes,
+    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
                                                   default=None)
-    reason = None if chosen is not None else capacity.needs_message(candidates, budget, margin=MARGIN)
+    reason = None if chosen is not None else capacity.needs_message(
+        candidates, budget, caps="reserved", reserve=WORKSPACE_RESERVE)
     result = {**header, "fits": chosen is not None,
               "plan": None if chosen is None else chosen.plan.to_dict(),
               "predicted_peak_bytes": None if shown is None else int(shown.estimate.peak_bytes),
+              "predicted_reserved_bytes": None if shown is None else int(shown.estimate.peak("reserved")),
               "table": [_plan_row(c, chosen) for c in candidates],
               "breakdown": None if shown is None else {k: int(v) for k, v in
                                                       shown.estimate.breakdown.items()},
@@ -110,9 +116,9 @@ def _probe_report(args, result: dict, shown) -> int:
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
                             f"({result['context_reserve_source']})"),
-        ("budget", f"{format_size(result['budget_bytes'])} for tensors; a plan fits in "
-                   f"{result['margin']:.0%} of it ({format_size(result['usable_bytes'])}), the rest "
-                   f"is left to allocator fragmentation"),
+        ("budget", f"{format_size(result['budget_bytes'])} for tensors; a plan fits when its reserved "
+                   f"peak is within {format_size(result['usable_bytes'])}, "
+                   f"{format_size(result['workspace_reserve_bytes'])} kept for cuBLAS/cuDNN workspaces"),
     ]))
     if result["table"]:
         out()
@@ -120,18 +126,23 @@ def _probe_report(args, result: dict, shown) -> int:
              "whole batch):")
         rows = [["*" if r["chosen"] else "", r["micro_batch_size"], r["accumulation_steps"],
                  r["precision"], r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
-                 format_size(r["peak_bytes"]), r["fits"]] for r in result["table"]]
+                 format_size(r["peak_bytes"]), format_size(r["reserved_bytes"]), r["fits"]]
+                for r in result["table"]]
         out(table(["", "micro", "accum", "precision", "checkpointing", "offload", "time",
-                    "predicted peak", "fits"], rows, align="lrrlllrrl"))
+                   "allocated peak", "reserved peak", "fits"], rows, align="lrrlllrrrl"))
     out()
-    if shown is not None and result["fits"]:
-        out(f"chosen plan: {shown.plan.describe()}")
+    if shown is not None:
+        out(f"chosen plan: {shown.plan.describe()}" if result["fits"] else "no plan fits")
+        if not result["fits"]:
+            out(f"smallest plan: {shown.plan.describe()}")
         out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
+        reserved = result["predicted_reserved_bytes"]
+        out(f"predicted reserved peak: {format_size(reserved)} of {format_size(result['usable_bytes'])} "
+            f"usable ({format_size(reserved - result['predicted_peak_bytes'])} of segments and cached "
+            f"blocks above the allocated peak)")
     else:
         out("no plan fits")
-        if shown is not None:
-            out(f"smallest plan: {shown.plan.describe()}")
-            out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
+    if not result["fits"]:
         print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
     return code
 

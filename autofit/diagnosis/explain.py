@@ -7,151 +7,17 @@ use for them: gradient accumulation, AMP, activation checkpointing, freeing a pr
 lighter model, keeping batches off the device), and the step-down that followed. The same input
 always gives the same text.
 
-The fixes are chosen from the breakdown recorded at the failure (`Attempt.memory`: params, grads,
-optimizer, activations, other) and the plan that failed; the thresholds below are the rules.
+The fixes are chosen by autofit.diagnosis.fixes from the breakdown recorded at the failure and the
+plan that failed; a fix whose plan change cannot run for the job is named as not offered, with why.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+from autofit.diagnosis.fixes import fixes_for, withheld
 from autofit.plans.coupling import describe as describe_coupling
-from autofit.gpu.memory import KINDS, format_breakdown
+from autofit.gpu.memory import format_breakdown
+from autofit.plans import precision as precisions
 from autofit.sizes import format_size
-
-# The rules, as shares of the memory at the failure (or of the budget, where one is known).
-STATE_SHARE = 0.9        # params + grads + optimizer would take this share of the budget: lighter model
-ADAMW_STATE = 2.0        # AdamW keeps two moments per parameter
-EXCESS_OPTIMIZER = 2.2   # more optimizer state than this many times the params: a second optimizer
-LEFTOVER_TOLERANCE = 0.15  # "other" within 15% of 2x params looks like a leftover AdamW's moments
-DOMINATE_SHARE = 0.5     # activations at least half: a smaller micro-batch helps most
-LARGE_SHARE = 0.3        # activations at least this share: AMP and checkpointing help
-HELD_SHARE = 0.1         # "other" at least this share: tensors held outside the step
-OFFLOAD_SHARE = 0.25     # optimizer state at least this share: offload helps
-
-
-class Fix(NamedTuple):
-    key: str     # stable name: lighter-model, free-previous-optimizer, held-tensors, accumulation,
-                 # amp, checkpointing, offload, per-parameter-step
-    title: str   # the fix in the words of the field, e.g. "gradient accumulation"
-    detail: str  # why the numbers point to it, and how
-
-    @property
-    def text(self) -> str:
-        return f"{self.title}: {self.detail}"
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{round(100 * part / whole)}%" if whole else "-"
-
-
-def _optimizer_leftover(params: int, optimizer: int, other: int) -> str | None:
-    """Why the numbers suggest an optimizer from an earlier phase is still alive, or None."""
-    if params <= 0:
-        return None
-    if optimizer > EXCESS_OPTIMIZER * params:
-        return (f"the optimizer state ({format_size(optimizer)}) is {optimizer / params:.1f}x the "
-                f"parameters, more than the {ADAMW_STATE:.0f}x one AdamW keeps")
-    adamw = ADAMW_STATE * params
-    if other and abs(other - adamw) <= LEFTOVER_TOLERANCE * adamw:
-        return (f"memory held outside the step ({format_size(other)}) is about {ADAMW_STATE:.0f}x the "
-                f"parameters, the size of an AdamW's two moments")
-    return None
-
-
-def fixes_for(memory: dict, plan, budget: int | None = None, where: str = "") -> list[Fix]:
-    """The fixes that apply to a failure with this breakdown under this plan, most basic first.
-    `where` is the phase that failed (`Attempt.where`): an optimizer step's failure gets the fixes
-    for the step, not those for activations (they are gone by then)."""
-    if not memory:
-        return []
-    params, grads, optimizer, activations, other = (int(memory.get(k, 0)) for k in KINDS)
-    step = int(memory.get("step", 0))  # the optimizer step's temporaries, for its phases
-    # "batch": the global batch autofit read onto the device; part of the step, never the user's
-    total = sum(int(memory.get(k, 0)) for k in KINDS) + step + int(memory.get("batch", 0))
-    limit = budget or total
-    limit_words = f"the {format_size(budget)} budget" if budget else \
-        f"the {format_size(total)} in use at the failure"
-    out: list[Fix] = []
-
-    # Training state alone: params + grads + optimizer (AdamW's 2x params when not yet allocated).
-    own_optimizer = 0 if plan.offload_optimizer else (
-        optimizer if 0 < optimizer <= EXCESS_OPTIMIZER * params else ADAMW_STATE * params)
-    state = params + max(grads, params) + own_optimizer
-    if limit and state >= STATE_SHARE * limit:
-        out.append(Fix("lighter-model", "a lighter model variant", (
-            f"the parameters ({format_size(params)}) with their gradients"
-            f"{'' if plan.offload_optimizer else ' and AdamW state'} need about {format_size(state)} "
-            f"before any activation, {_pct(state, limit)} of {limit_words}; no batch size fixes that. "
-            f"Take a smaller variant (DistilBERT instead of BERT-base, TinyBERT instead of "
-            f"DistilBERT), freeze layers, or train adapters (LoRA) so fewer parameters carry "
-            f"gradients and optimizer state.")))
-
-    leftover = _optimizer_leftover(params, optimizer, other)
-    if leftover:
-        out.append(Fix("free-previous-optimizer", "free a previous optimizer", (
-            f"{leftover}; an optimizer from an earlier phase (pretraining "
-            f"before fine-tuning, say) is probably still alive. `del optimizer, scheduler` and "
-            f"anything else that references them, then `gc.collect(); torch.cuda.empty_cache()`, "
-            f"before building the next one.")))
-
-    if other and total and other >= HELD_SHARE * total:
-        out.append(Fix("held-tensors", "batches or tensors already on the device", (
-            f"{format_size(other)} ({_pct(other, total)}) "
-            f"was held outside the step. Keep batches on the CPU (autofit moves each micro-batch "
-            f"itself), keep Python numbers (loss.item()) instead of losses or outputs across "
-            f"steps, and `del` what the next step does not need; autofit cannot free what your "
-            f"code still references.")))
-
-    if where.startswith("optimizer"):
-        return out + _step_fixes(where, plan, params, optimizer, step, total)
-
-    big_activations = total and activations >= LARGE_SHARE * total
-    if total and activations >= DOMINATE_SHARE * total and plan.micro_batch_size > 1:
-        half = plan.micro_batch_size // 2
-        steps = -(-plan.global_batch // half)
-        out.append(Fix("accumulation", "gradient accumulation", (
-            f"activations ({format_size(activations)}, "
-            f"{_pct(activations, total)}) dominate and grow with the micro-batch; micro-batches of "
-            f"{half} with {steps} accumulation steps keep the global batch and its gradient while "
-            f"holding about half the activations.")))
-    if big_activations and plan.precision == "fp32":
-        out.append(Fix("amp", "mixed precision (AMP)", (
-            f"bf16 autocast (fp16 with a GradScaler where bf16 is "
-            f"unsupported) keeps activations in 16 bits, roughly halving the "
-            f"{format_size(activations)} of activations.")))
-    if big_activations and not plan.checkpointing:
-        out.append(Fix("checkpointing", "activation checkpointing", (
-            f"model.gradient_checkpointing_enable() on Hugging Face models keeps only each layer's "
-            f"input and recomputes the rest in backward, trading "
-            f"about a third more compute for most of the {format_size(activations)} of activations.")))
-    if total and optimizer >= OFFLOAD_SHARE * total and not plan.offload_optimizer:
-        out.append(Fix("offload", "optimizer offload", (
-            f"its state ({format_size(optimizer)}, {_pct(optimizer, total)}) can "
-            f"live in CPU memory and be stepped there, at the cost of host-device copies.")))
-    return out
-
-
-def _step_fixes(where: str, plan, params: int, optimizer: int, step: int, total: int) -> list[Fix]:
-    """Fixes for a failure inside optimizer.step(): what lowers the step's own peak."""
-    out = []
-    if where == "optimizer.step" and step and not plan.per_parameter_step and not plan.offload_optimizer:
-        out.append(Fix("per-parameter-step", "a per-parameter optimizer step (foreach=False)", (
-            f"the optimizer step itself ran out of memory: its temporaries took {format_size(step)} "
-            f"on top of the parameters, gradients and state (a foreach step makes them for every "
-            f"parameter at once); foreach=False updates one parameter at a time, so they are one "
-            f"parameter's. A smaller micro-batch, AMP or checkpointing would not help: they shrink "
-            f"activations, which are gone by the step.")))
-    if not plan.offload_optimizer:
-        if optimizer:
-            what = f"its state ({format_size(optimizer)}, {_pct(optimizer, total)})"
-        else:  # the first step failed making it
-            what = (f"its state (about {format_size(ADAMW_STATE * params)} for AdamW, which this "
-                    f"first step was creating)")
-        out.append(Fix("offload", "optimizer offload", (
-            f"{what} can live in CPU memory and be stepped there, at the cost of host-device "
-            f"copies.")))
-    return out
 
 
 # -- what autofit did ---------------------------------------------------------------------------
@@ -169,7 +35,7 @@ def _changes(old, new) -> tuple[list[str], set]:
         words.append(f"micro-batch {old.micro_batch_size} -> {new.micro_batch_size}")
     if new.precision != old.precision:
         words.append(f"{old.precision} -> {new.precision}")
-        if old.precision == "fp32":
+        if not precisions.get(old.precision).mixed:
             keys.add("amp")
     if new.checkpointing != old.checkpointing:
         words.append("activation checkpointing " + ("on" if new.checkpointing else "off"))
@@ -205,7 +71,8 @@ def _explain_attempt(attempts, i, number: int, budget, raised: bool, given: set)
     changes, applied = _changes(a.plan, nxt.plan) if nxt is not None else ([], set())
     if a.memory:
         lines.append(f"  memory at the failure: {format_breakdown(a.memory, budget)}")
-        fixes = fixes_for(a.memory, a.plan, budget, a.where)
+        fixes = fixes_for(a.memory, a.plan, budget, a.where, a.unavailable)
+        not_offered = withheld(fixes_for(a.memory, a.plan, budget, a.where), a.unavailable)
         if fixes:
             lines.append("  fixes that apply:")
             for fix in fixes:
@@ -216,6 +83,8 @@ def _explain_attempt(attempts, i, number: int, budget, raised: bool, given: set)
         else:
             lines.append("  fixes that apply: none stands out (no kind dominates); a smaller "
                          "micro-batch or a larger budget.")
+        for fix, why in not_offered:
+            lines.append(f"  not offered: {fix.title} ({why}).")
     else:
         lines.append("  memory at the failure: not recorded.")
     if nxt is not None:

@@ -21,7 +21,8 @@ the same after every step (exactly 0 on the simulated GPU), so watching it costs
 step. The Python heap is searched (`gc`) only when something needs naming: once after the first
 step when that number is not zero (on CUDA: once, always), and when it has grown `steps` times in a
 row under the same plan (then again after twice as many, so a long leak costs few searches).
-Findings are plain dicts ``{"kind", "culprit", "bytes", "fix"}`` (`LeakWatch.findings`), each logged
+Findings are plain dicts ``{"kind", "culprit", "bytes", "fix"}`` (`LeakWatch.findings`; the kinds,
+their fixes and the culprit's words are in leak_kinds, the batch check in on_device), each logged
 once as a warning on the ``autofit.diagnosis.leaks`` logger (a child of ``autofit``). The watch never raises
 into training and never holds a reference to a tensor it found.
 """
@@ -37,7 +38,10 @@ from collections.abc import Sequence
 import torch
 
 from autofit.engine.batches import _fields
-from autofit.diagnosis.culprits import _key, _nbytes, graph_bytes, locate
+from autofit.diagnosis.culprits import locate
+from autofit.diagnosis.graphs import _key, _nbytes, graph_bytes
+from autofit.diagnosis.leak_kinds import FIX_BATCH, FIX_GROWTH, culprit_text, fix_for, shape_of
+from autofit.diagnosis.on_device import batch_on_device, device_fields, on_device_predicate
 from autofit.gpu.memory import by_kind, storage_bytes, storage_key
 from autofit.sizes import format_size
 
@@ -46,67 +50,6 @@ log = logging.getLogger("autofit.diagnosis.leaks")
 GROWTH_STEPS = 3        # the leftover grows this many steps in a row under one plan: a leak
 MAX_NODES = 200         # tops of graphs held by Python that are looked into, at most
 
-KINDS = ("batch-on-device", "graph-kept", "tensor-kept", "previous-optimizer", "memory-growth")
-
-FIX_BATCH = ("keep the DataLoader on the CPU (no .to('cuda') in the dataset, the collate_fn or before "
-             "calling autofit; pin_memory=True makes the copy fast); autofit moves each micro-batch to "
-             "the device and frees it after the step")
-FIX_LOSS = ("append loss.item() (a Python float), not loss: a tensor with a grad_fn keeps its autograd "
-            "graph, and the device memory behind it, alive")
-FIX_OUTPUT = ("keep out.detach() (or out.detach().cpu(), or .item() for a number) instead of the output "
-              "itself, and run forwards you only read under torch.no_grad(): a tensor with a grad_fn "
-              "keeps its autograd graph alive")
-FIX_NODE = ("do not keep grad_fn objects or outputs of forwards you never backward; run such forwards "
-            "under torch.no_grad()")
-FIX_TENSOR = ("keep Python numbers (.item()) or CPU copies (.cpu()) of what you collect across steps, "
-              "and drop references you no longer need")
-FIX_OPTIMIZER = ("`del` the earlier optimizer and its scheduler (and anything else referencing them, a "
-                 "saved state_dict included), then gc.collect() and torch.cuda.empty_cache(), before "
-                 "the next phase; pass autofit.run an optimizer factory so it owns and frees the state")
-FIX_GROWTH = ("no tensor Python can see holds it: look for what your loss_fn, hooks or model keep from "
-              "step to step (a graph kept through a hook, a cache keyed by step, a C++ extension); "
-              "gc.collect() does not free it")
-
-
-# -- where a tensor lives ---------------------------------------------------------------------------
-
-def on_device_predicate(device):
-    """A function tensor -> bool: whether its memory is on `device` (an autofit Device)."""
-    if device.type == "cuda":
-        return lambda t: t.is_cuda
-    gpu = getattr(device, "gpu", None)
-    if gpu is not None:
-        return gpu.holds
-    return lambda t: False
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
-
-
-def _device_fields(batch, on_device) -> list[tuple[str, torch.Tensor]]:
-    return [(path, v) for path, v in _fields(batch)
-            if isinstance(v, torch.Tensor) and on_device(v)]
-
-
-def batch_on_device(batch, device) -> str | None:
-    """What of `batch` is already on the device, with the fix; None when nothing is.
-
-    On CUDA a field is on the device when it is a CUDA tensor; on the simulated GPU when the GPU
-    already holds its storage (made inside `simulate_gpu`, before autofit copied it). Call it on a
-    batch as the data handed it over, before autofit moves it.
-    """
-    fields = _device_fields(batch, on_device_predicate(device))
-    if not fields:
-        return None
-    shown = ", ".join(f"{path} {_shape(t)} ({format_size(_nbytes(t))})" for path, t in fields[:4])
-    more = f" and {len(fields) - 4} more" if len(fields) > 4 else ""
-    total = storage_bytes(t for _, t in fields)
-    return (f"the batch arrives already on {device.describe()}: {shown}{more}, "
-            f"{format_size(total)}. Fix: {FIX_BATCH}.")
-
-
-# -- the watch ----------------------------------------------------------------------------------------
 
 class LeakWatch:
     """Follows device memory after each global step and names what the user's code keeps there.
@@ -159,11 +102,11 @@ class LeakWatch:
             message = batch_on_device(batch, self.device)
             if message is None:
                 return None
-            fields = _device_fields(batch, self.on_device)
-            culprit = ", ".join(f"{path} {_shape(t)}" for path, t in fields[:4])
+            fields = device_fields(batch, self.on_device)
+            culprit = ", ".join(f"{path} {shape_of(t)}" for path, t in fields[:4])
             nbytes = storage_bytes(t for _, t in fields)
             if sized:
-                everything = [t for b in data for _, t in _device_fields(b, self.on_device)]
+                everything = [t for b in data for _, t in device_fields(b, self.on_device)]
                 for t in everything:
                     self._data_storages[_key(t)] = weakref.ref(t.untyped_storage())
                 self._data_bytes = storage_bytes(everything)
@@ -329,11 +272,11 @@ class LeakWatch:
                 or (known is not None and nbytes > known["bytes"]))
             if growth is not None and known is not None and not grows:
                 continue  # known and not growing: nothing new to say
-            culprit = _culprit(root, outer, members[0][1].container, ts, ns, saved, optimizer)
+            culprit = culprit_text(root, outer, members[0][1].container, ts, ns, saved, optimizer)
             if grows:
                 culprit += (f"; device memory after each step grew {growth[1]} steps in a row under "
                             f"the same plan (+{format_size(growth[0])})")
-            reports.append(self._report(kind, key, culprit, nbytes, _fix(kind, ts)))
+            reports.append(self._report(kind, key, culprit, nbytes, fix_for(kind, ts)))
             explained |= grows
         del tensors, nodes, groups
         if growth is not None and not explained:
@@ -355,48 +298,3 @@ class LeakWatch:
             log.warning("leak %s (%s): %s, %s. Fix: %s.", verb, kind, culprit, format_size(nbytes), fix)
         return dict(finding)
 
-
-def _culprit(root, outer: str, container, tensors, nodes, saved: int, optimizer) -> str:
-    where = root or "an object autofit could not name"
-    if outer and optimizer is None:
-        where += f", at {outer}"
-    if optimizer is not None:
-        shapes = sorted({_shape(t) for t in tensors})
-        shown = ", ".join(shapes[:3]) + (", ..." if len(shapes) > 3 else "")
-        return f"the state of {optimizer}, held by {where}: {len(tensors)} tensor(s) ({shown})"
-    what = []
-    if tensors:
-        fns = sorted({type(t.grad_fn).__name__ for t in tensors if t.grad_fn is not None})
-        shapes = sorted({_shape(t) for t in tensors})
-        n = len(tensors)
-        listed = container in ("a list", "a tuple")
-        noun = f"{n} tensors" if n > 1 else "1 tensor" if listed else "a tensor"
-        with_fn = f" with grad_fn={', '.join(f'<{f}>' for f in fns)}" if fns else ""
-        if len(shapes) == 1:
-            shape = f" ({shapes[0]}{' each' if n > 1 else ''})"
-        else:
-            shape = f" ({', '.join(shapes[:3])}{', ...' if len(shapes) > 3 else ''})"
-        what.append(f"{noun}{with_fn}{shape}")
-    if nodes:
-        names = ", ".join(f"<{x}>" for x in sorted({type(n).__name__ for n in nodes}))
-        what.append(f"{len(nodes)} autograd nodes {names}" if len(nodes) > 1 else
-                    f"1 autograd node {names}" if container in ("a list", "a tuple") else
-                    f"an autograd node {names}")
-    body = " and ".join(what)
-    if container in ("a list", "a tuple"):
-        body = f"{container} of {body}"
-    elif container is not None:
-        body = f"{container} holding {body}"
-    text = f"{where}: {body}"
-    if saved:
-        text += f", keeping {format_size(saved)} saved for a backward that never ran"
-    return text
-
-
-def _fix(kind: str, tensors) -> str:
-    if kind == "graph-kept":
-        if tensors and all(t.dim() == 0 for t in tensors):
-            return FIX_LOSS
-        return FIX_OUTPUT if tensors else FIX_NODE
-    return {"tensor-kept": FIX_TENSOR, "previous-optimizer": FIX_OPTIMIZER,
-            "memory-growth": FIX_GROWTH, "batch-on-device": FIX_BATCH}[kind]

@@ -126,7 +126,7 @@ class Sharded:
         """Hold `check(bytes, device)`, the lockstep's agreement, in front of each of FSDP's
         collectives while armed (autofit.distributed.fsdp_guard)."""
         from autofit.distributed.fsdp_guard import Guards
-        self.guards = Guards(self.model, self.units, check, self.settle)
+        self.guards = Guards(self.model, self.units, check)
 
     def arm(self, on: bool) -> None:
         """Guards on for a training attempt (never for evaluation or anything else)."""
@@ -160,19 +160,6 @@ class Sharded:
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None:
                         unsharded.grad = None
-        self.settle()
-
-    def settle(self) -> None:
-        """Show the memory counter the gathered parameters FSDP freed: FSDP frees them by resizing
-        their storage to 0, which no tensor operation reports (a simulated GPU would count them
-        as still held); one empty `set_` on each such storage reports its size as it is now."""
-        with torch.no_grad():
-            for unit in self.units:
-                for group in unit._get_fsdp_state()._fsdp_param_groups:
-                    for fp in group.fsdp_params:
-                        for t in getattr(fp, "all_gather_outputs", None) or ():
-                            if t.untyped_storage().nbytes() == 0:
-                                torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
     def close(self) -> None:
         if self.guards is not None:

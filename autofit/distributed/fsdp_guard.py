@@ -40,8 +40,8 @@ def _needs_gather(unit) -> bool:
 
 
 class Guards:
-    def __init__(self, model, units, check, settle):
-        self.model, self.units, self.check, self.settle = model, units, check, settle
+    def __init__(self, model, units, check):
+        self.model, self.units, self.check = model, units, check
         self.armed = False   # only inside a training attempt
         self.reducing = False  # this micro-batch's backward reduce-scatters (gradient sync on)
         self.order: list = []  # units in the order this forward ran them
@@ -57,7 +57,6 @@ class Guards:
             hook.remove()
 
     def _agree(self, size: int, device) -> None:
-        self.settle()  # the counter sees what FSDP freed since the last agreement
         self.check(size, device)
 
     # -- forward -------------------------------------------------------------------------------

@@ -69,6 +69,4 @@ class DistributedStepRunner(StepRunner):
         lock.replicas.reduce_grads(verdict)  # FSDP reduced its shards' gradients in backward
         lock.replicas.broadcast_buffers()    # before the step: nothing after its agreement communicates
         self._step(plan, guard=verdict.any_flag(), wrap=lambda step: lock.agreed_step(step, plan))
-        if lock.sharded is not None:
-            lock.sharded.settle()
         return math.fsum(verdict.values())

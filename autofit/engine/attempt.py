@@ -49,6 +49,8 @@ class Attempt:
     where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
     memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
                                                 # optimizer step's own temporaries, for its phases)
+    unavailable: dict = field(default_factory=dict)  # {plan field: why turning it on cannot run
+                                                     # for this job}, at a failure (explain's fixes)
 
     def describe(self) -> str:
         text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from autofit.diagnosis.leaks import on_device_predicate
+from autofit.diagnosis.on_device import on_device_predicate
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
@@ -21,8 +21,10 @@ from autofit.errors import DoesNotFit
 from autofit.gpu import fragmentation
 from autofit.gpu.device import _tensors
 from autofit.gpu.memory import by_kind, storage_bytes
+from autofit.plans.applies import unavailable_changes
 from autofit.plans.ladder import SizeLog
 from autofit.plans.plan import Plan
+from autofit.plans.sizelog import Unguided
 
 log = logging.getLogger("autofit")
 
@@ -36,8 +38,10 @@ class Controller:
     def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int = 64,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None):
+                 quiet: bool = False, expire_after: int | None = None, guide=None):
         self.runner, self.ladder = runner, ladder
+        # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
+        self.guide = guide if guide is not None else Unguided()
         self.device, self.model = runner.device, runner.model
         self.sizes = sizes if sizes is not None else SizeLog()
         self.plan, self.reason = plan, reason
@@ -74,7 +78,7 @@ class Controller:
         # No probe on a run's first step: the optimizer state does not exist yet, so a size that
         # fits then proves nothing about the steps after it.
         if self.probe_up and self.attempts:
-            bigger = self.sizes.probe_up(self.plan, global_batch)
+            bigger = self.sizes.probe_up(self.plan, global_batch, guess=self.guide.largest)
             if bigger is not None and self._worth_probing(bigger):
                 self._fallback, self._fallback_reason = self.plan, self.reason
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
@@ -126,6 +130,7 @@ class Controller:
             self.sizes.record(plan, True, global_batch)
             if self._good_total:  # the run's first step made the optimizer state: it proves less
                 self.proven.record(plan, True, global_batch, length=self.sizes.length)
+                self.guide.observe(plan, outcome.peak, self.sizes.length)
             self._good_total += 1
             self.reason = "kept: fitted the previous global batch"
             self._expire()
@@ -163,7 +168,8 @@ class Controller:
         the ladder has no step left."""
         plan, reason, text = self.plan, self.reason, outcome.error
         where, memory = self._breakdown(outcome)
-        self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory))
+        unavailable = unavailable_changes(plan, getattr(self.runner, "not_applicable", None))
+        self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
         found = outcome.found[3]

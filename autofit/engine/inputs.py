@@ -11,10 +11,8 @@ import torch
 
 from autofit.engine.batches import dataset_batches
 from autofit.engine.optimizers import check_steppable, from_factory
-from autofit.plans.plan import PRECISIONS
+from autofit.plans import precision as precisions
 from autofit.engine.reading import Epochs
-
-PRECISION_POLICIES = ("auto",) + PRECISIONS
 
 
 def check_positive_int(name: str, value) -> None:
@@ -25,8 +23,7 @@ def check_positive_int(name: str, value) -> None:
 def check_training_options(*, model, precision, loss_fn, max_grad_norm) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    if precision not in PRECISION_POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    precisions.check_policy(precision)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autofit.plans import precision as precisions
+
 class FunctionalPatch:
     """A `torch.nn.functional` function replaced while at least one estimate needs it.
 
@@ -94,7 +96,7 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device
                                     ).masked_fill_(attn_mask.logical_not(), -math.inf)
-        low = query.dtype in (torch.float16, torch.bfloat16)
+        low = query.dtype in precisions.autocast_dtypes()  # flash attention runs only in these
         if low and attn_mask is None and query.size(-1) <= 256:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]

@@ -35,8 +35,14 @@ Where the step reads values that fake tensors lack (a mask's rows, `.item()`, a 
 a fake kernel stricter than the real one), `Estimator` measures it on real rows instead
 (`autofit.estimator.sampled`, said once in the log) and its estimates have `method="sampled"`.
 
-Known differences from a card, all small or covered by `rank`'s margin and calibration:
-- the CUDA caching allocator's fragmentation and the CUDA context are not tensors and not counted;
+The meter is the simulated GPU's counter, so every storage of the step also takes a block from its
+model of CUDA's caching allocator (`autofit.gpu.allocator`): besides the allocated peak
+(`peak_bytes`), an estimate carries the peak the allocator *reserves* (`reserved_bytes`: segments,
+cached free blocks, split remainders), which is what a card's memory limit caps.
+
+Known differences from a card, all small or covered by `rank`'s workspace reserve and calibration:
+- the CUDA context and cuBLAS/cuDNN workspaces are not tensors and not counted; the allocator model
+  replays this one step from a fresh cache, where a card's cache also holds what earlier steps left;
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
@@ -69,6 +75,7 @@ from autofit.estimator.fakes import (
     warm,
 )
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
 from autofit.engine.step import StepRunner
@@ -101,6 +108,17 @@ class MemoryEstimate:
     # "fake": a step on fake tensors; "sampled": measured on one and two real rows and
     # extrapolated, for a model fake tensors cannot follow (autofit.estimator.sampled).
     method: str = field(default="fake", compare=False)
+    # The peak CUDA's caching allocator reserves for the step (allocated + cached + fragmentation),
+    # replayed through autofit.gpu.allocator; None for an estimate made before it was known.
+    reserved_bytes: int | None = field(default=None, compare=False)
+
+    def peak(self, caps: str = "allocated") -> int:
+        """The peak a budget capping `caps` ("allocated" or "reserved") is compared with."""
+        if caps == "reserved" and self.reserved_bytes is not None:
+            return self.reserved_bytes
+        if caps not in ("allocated", "reserved"):
+            raise ValueError(f"caps must be 'allocated' or 'reserved' but got {caps!r}.")
+        return self.peak_bytes
 
     def describe(self, budget: int | None = None) -> str:
         """'1.23 GiB of a 2.00 GiB budget (params ..., grads ..., ...)'."""
@@ -132,6 +150,7 @@ class _Meter(SimulatedGPU):
         self.outer_top, self.outer_breakdown = 0, dict(self.totals)  # the peak outside the step
 
     def start(self) -> None:
+        self.allocator.reset_peak()
         self.top = self.outer_top = self._allocated
         self.top_breakdown = dict(self.totals)
         self.outer_breakdown = dict(self.totals)
@@ -259,10 +278,18 @@ class Estimator:
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
 
+    def forget_source(self) -> None:
+        """Drop the caller's model, batch and optimizer, kept only to measure on real rows: an
+        estimator kept through a run must hold no batch of the user's (nor run real steps); a plan
+        fake tensors cannot follow then raises its error."""
+        self._source = None
+
     def _sample(self, error: Exception) -> None:
         """Fake tensors cannot follow this model: measure it on real rows from now on
         (autofit.estimator.sampled), or raise `error` when that fails too."""
         from autofit.estimator.sampled import SampledEstimator
+        if self._source is None:
+            raise error
         model, batch, optimizer = self._source
         try:
             self._sampled = SampledEstimator(model, batch, optimizer, self.loss_fn,
@@ -331,8 +358,8 @@ class Estimator:
     def _measure(self, plan: Plan) -> MemoryEstimate:
         meter = _Meter()
         device = self._device(meter)
-        # fp16 has bf16's sizes; GradScaler's found-inf check needs real values.
-        run_plan = plan.replace(precision="bf16") if plan.precision == "fp16" else plan
+        numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
+        run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
@@ -364,6 +391,7 @@ class Estimator:
                     runner.run(batch, run_plan)
                     # Read before close(): bringing offloaded state back is the end of a run.
                     peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
+                    reserved = meter.allocator.max_reserved
                     self.last_meter = meter  # what autofit.estimator.sampled extrapolates
                 finally:
                     runner.close()
@@ -371,12 +399,13 @@ class Estimator:
             for h in hooks:
                 h.remove()
             self.optimizer.zero_grad(set_to_none=True)
-        if plan.precision == "fp16":
+        if numerics.needs_scaler:
             peak += SCALER_BYTES
+            reserved += SCALER_BYTES  # two small-pool blocks; at most one more 2 MiB segment
             breakdown["other"] += SCALER_BYTES
         return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
                               device_type=self.device_type, resident=dict(self.resident),
-                              step_bytes=step,
+                              step_bytes=step, reserved_bytes=reserved,
                               optimizer=self.optimizer_name)
 
 

@@ -125,9 +125,11 @@ def _extrapolate(points: list, plan: Plan) -> MemoryEstimate:
         peak -= state
         breakdown["optimizer"] = max(breakdown["optimizer"] - state, 0)
         step_bytes = None
+    # The allocator's overhead is not linear in the rows: the larger sample's is carried over.
+    reserved = peak + max((last.reserved_bytes or last.peak_bytes) - last.peak_bytes, 0)
     return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown, device_type="cpu",
                           resident=dict(last.resident), optimizer=last.optimizer, step_bytes=step_bytes,
-                          method="sampled")
+                          method="sampled", reserved_bytes=reserved)
 
 
 class _SampleDevice(_FakeDevice):

@@ -47,7 +47,7 @@ from autofit.estimator.fakes import check_optimizer, fake_like, fake_model, fake
 from autofit.gpu.device import _map_tensors
 from autofit.gpu.memory import storage_bytes
 from autofit.plans.plan import Plan
-from autofit.plans.precision import PRECISIONS
+from autofit.plans import precision as precisions
 from autofit.plans.precision import get as get_precision
 
 # What a sharded plan can change, and which field prices it.
@@ -82,8 +82,8 @@ class Sharding:
         for name in ("reshard_after_forward", "reduce_each_micro_batch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False but got {getattr(self, name)!r}.")
-        if self.param_dtype is not None and self.param_dtype not in PRECISIONS:
-            raise ValueError(f"param_dtype must be one of {', '.join(PRECISIONS)} or None but got "
+        if self.param_dtype is not None and self.param_dtype not in precisions.names():
+            raise ValueError(f"param_dtype must be one of {', '.join(precisions.names())} or None but got "
                              f"{self.param_dtype!r}.")
 
     def describe(self) -> str:
@@ -121,11 +121,11 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
 
 
 def _precision_of(dtype: torch.dtype) -> str:
-    for name in PRECISIONS:
+    for name in precisions.names():
         if get_precision(name).autocast_dtype == dtype:
             return name
     raise ValueError(f"a MixedPrecisionPolicy param_dtype of {dtype} has no autofit precision; "
-                     f"use one of {', '.join(PRECISIONS)}.")
+                     f"use one of {', '.join(precisions.names())}.")
 
 
 # -- the fake world ------------------------------------------------------------------------------

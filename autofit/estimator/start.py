@@ -1,10 +1,14 @@
 """Where a run starts: the cached plan, else the fastest plan the estimator predicts to fit.
 
 The capacity check estimates candidate plans on fake tensors before the first step. The run then
-starts from the fastest plan predicted to fit within MARGIN of the budget, and OOMs only correct
-the estimate. When no plan can fit, the run stops before training with what would be needed.
-The check is optional: when the estimator cannot follow the model (an error of any kind inside it),
-that is said in one line and the run starts as it would without the check.
+starts from the fastest plan predicted to fit the budget, and OOMs only correct the estimate. It
+compares like with like (`headroom`): where the budget caps what the caching allocator reserves (a
+CUDA card; a simulated GPU with caps="reserved") the estimate's reserved peak, less only
+WORKSPACE_RESERVE on CUDA; where it caps live tensor bytes (the simulated GPU's default) the
+allocated peak, against all of it. Estimates are scaled by the calibration measured for this model
+on this device (`autofit.estimator.guide`). When no plan can fit, the run stops before training with
+what would be needed. The check is optional: when the estimator cannot follow the model (an error of
+any kind inside it), that is said in one line and the run starts as it would without the check.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import batch_size, row_elements
-from autofit.estimator.capacity import choose, needs_message, rank
-from autofit.estimator.estimate import Estimator
+from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, usable_bytes
+from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
 from autofit.plans.ladder import config_of
@@ -23,7 +27,14 @@ from autofit.sizes import format_size
 
 log = logging.getLogger("autofit")
 
-MARGIN = 0.9        # room left for what the estimate misses (fragmentation on a real card)
+# What a CUDA card's allocator reserves that no estimate of tensors sees: cuBLAS's workspace, which
+# PyTorch allocates through the caching allocator per handle and stream (CublasHandlePool.cpp; the
+# cuBLAS docs recommend 32 MiB on Hopper, 4 MiB before; PyTorch's default CUBLAS_WORKSPACE_CONFIG
+# ":4096:8" on sm90 is 8 x 4 MiB), plus cuBLASLt's and cuDNN's workspaces. 64 MiB is the same figure
+# the controller allows a failed attempt to leave cached (CUDA_BASELINE_SLACK). The CUDA context
+# itself lies outside the budget: `tensor_budget` reads the free memory after the context exists,
+# and `autofit probe` subtracts its context reserve from the card's memory.
+WORKSPACE_RESERVE = 64 << 20
 SETTLE_WITHIN = 0.1  # from an estimated start, probe upward only for gains above 10%
 
 
@@ -35,6 +46,30 @@ def tensor_budget(device) -> int | None:
         return device.budget
     free = device.free_bytes()
     return None if free is None else free + device.memory_allocated()
+
+
+def budget_caps(device) -> str:
+    """The peak the device's budget limits: "reserved" on CUDA (set_per_process_memory_fraction caps
+    what the caching allocator reserves) and on a simulated GPU made with caps="reserved";
+    "allocated" where the budget caps live tensor bytes (the simulated GPU's default)."""
+    if device.type == "cuda":
+        return "reserved"
+    return getattr(getattr(device, "gpu", None), "caps", "allocated")
+
+
+def headroom(device) -> dict:
+    """`rank`'s keywords for comparing an estimate with this device's budget: which peak, and the
+    bytes kept back for what no estimate sees (WORKSPACE_RESERVE on CUDA, none elsewhere)."""
+    return {"caps": budget_caps(device), "reserve": WORKSPACE_RESERVE if device.type == "cuda" else 0}
+
+
+def make_guide(device, calibration: float | None = None) -> Guide | None:
+    """A Guide for the device's budget (None where nothing is counted or limited)."""
+    budget = tensor_budget(device)
+    if budget is None:
+        return None
+    room = headroom(device)
+    return Guide(device, room["caps"], usable_bytes(budget, reserve=room["reserve"]), calibration)
 
 
 def longest_batch(data, first):
@@ -49,14 +84,13 @@ def longest_batch(data, first):
     return max(data, key=elements)
 
 
-def _first_whole_fitting(plans, model, batch, optimizer, loss_fn, device_type, budget):
-    """(plan, reason) for the first of `plans` predicted to fit within MARGIN of `budget`, or None."""
-    if not plans:
-        return None
-    estimator = Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+def _first_whole_fitting(plans, estimator, budget, room, calibration):
+    """(plan, reason) for the first of `plans` predicted to fit `budget` (as `headroom` compares
+    them), or None."""
+    usable = usable_bytes(budget, reserve=room["reserve"])
     for plan in plans:
-        peak = estimator.measure(plan).peak_bytes
-        if peak <= budget * MARGIN:
+        peak = estimator.measure(plan).peak(room["caps"])
+        if peak * calibration <= usable:
             reason = (f"estimated: the first whole-batch plan of the ladder predicted to fit (peak "
                       f"{format_size(peak)} of {format_size(budget)}); batch-coupled layers keep the "
                       f"batch whole first")
@@ -71,27 +105,32 @@ def cannot_estimate(model, error: BaseException, instead: str) -> None:
                 one_line(error), instead)
 
 
-def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes, coupling=None):
+def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes, coupling=None,
+                    guide: Guide | None = None):
     """(plan, reason) from the capacity check, None when there is nothing to check against; the
     sizes predicted not to fit are recorded in `sizes` (a SizeLog). With `coupling` (a
     plans.coupling.Coupling) that keeps the batch whole first, the start is the first whole-batch
-    plan of its ladder predicted to fit; the fastest plan of all only when none does."""
+    plan of its ladder predicted to fit; the fastest plan of all only when none does. `guide`
+    (from `make_guide`) gives the calibration and keeps the estimator for the run's upward search."""
     budget = tensor_budget(device)
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
+    room = headroom(device)
+    calibration = 1.0 if guide is None else guide.calibration
     whole = [] if coupling is None else \
         [p for p in coupling.whole_plans(batch_size(batch), precision, device.supports_bf16())
          if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
-            kept = _first_whole_fitting(whole, model, batch, optimizer, loss_fn, device_type, budget)
+            estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+            kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))
                 return kept
             candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer,
-                              loss_fn=loss_fn, margin=MARGIN, device_type=device_type,
-                              bf16_supported=device.supports_bf16())
+                              loss_fn=loss_fn, device_type=device_type, calibration=calibration,
+                              bf16_supported=device.supports_bf16(), estimator=estimator, **room)
     except Exception as error:  # the check is optional: an estimator failure never stops a run
         cannot_estimate(model, error, "starting from the whole global batch; the ladder finds the plan")
         return None
@@ -100,20 +139,27 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
         leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None
         raise DoesNotFit(
             f"no plan can fit global batch {batch_size(batch)} on {device.describe()}, checked before "
-            f"training: {needs_message(candidates, budget, margin=MARGIN)}",
+            f"training: {needs_message(candidates, budget, calibration=calibration, **room)}",
             breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
             plan=leanest.plan if leanest else None)
-    # Sizes predicted over the whole budget bound the upward search; those predicted only inside
-    # the margin stay open to a probe, since the estimate may be high (OOMs correct it).
-    # Both hold for rows as long as the estimated batch's (the longest of a list), and shorter.
+    # Sizes predicted over the budget even uncalibrated bound the upward search (for rows as long
+    # as the estimated batch's, the longest of a list, and shorter); those only a calibration above
+    # 1 rules out stay open to the guide's probe, since the run measures its own calibration.
     length = row_elements(batch)
+    usable = usable_bytes(budget, reserve=room["reserve"])
     for c in candidates:
-        if c.estimate.peak_bytes > budget and config_of(c.plan) == config_of(chosen.plan) \
+        if c.estimate.peak(room["caps"]) * min(calibration, 1.0) > usable \
+                and config_of(c.plan) == config_of(chosen.plan) \
                 and c.plan.micro_batch_size > chosen.plan.micro_batch_size:
             sizes.record(c.plan, ok=False, length=length)
     # The chosen size is what a batch this long gets back to after a probe on shorter ones.
     sizes.record(chosen.plan, ok=True, length=length)
-    reason = (f"estimated: fastest plan predicted to fit (peak {format_size(chosen.estimate.peak_bytes)} "
-              f"of {format_size(budget)}, {len(candidates)} plan(s) estimated)")
+    if guide is not None and estimator._sampled is None:  # never real steps in the middle of a run
+        guide.attach(estimator, candidates, length)
+    peak = "reserved peak" if room["caps"] == "reserved" else "peak"
+    calibrated = f", calibration {calibration:.3f}" if calibration != 1 else ""
+    reason = (f"estimated: fastest plan predicted to fit ({peak} "
+              f"{format_size(chosen.estimate.peak(room['caps']))} of {format_size(budget)}{calibrated}, "
+              f"{len(candidates)} plan(s) estimated)")
     log.info("capacity check: %s", reason)
     return chosen.plan, reason

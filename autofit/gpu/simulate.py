@@ -40,7 +40,8 @@ def inner_tensors(tensors) -> list:
     """`tensors` with each wrapper subclass (DTensor: a sharded parameter, its gradient and its
     optimizer state) replaced by the tensors it wraps: a wrapper's own storage is a placeholder of
     the global shape, the memory is its local shard's."""
-    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)  # read twice
+    if not isinstance(tensors, (list, tuple)):
+        tensors = list(tensors)  # a generator (memory.by_kind's walk) must be read once only
     if all(type(t) is torch.Tensor for t in tensors):
         return tensors  # what ops return almost always: nothing to unwrap
     out = []

@@ -28,7 +28,7 @@ from autofit.estimator.capacity import needs_message, plan_cost, rank
 from autofit.errors import DoesNotFit
 from autofit.plans.ladder import Move
 from autofit.plans.plan import Plan
-from autofit.estimator.start import MARGIN, cannot_estimate
+from autofit.estimator.start import cannot_estimate, headroom
 from autofit.engine.step import NoLossError
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
@@ -152,13 +152,13 @@ def raw_optimizer(optimizer):
 # -- estimating ---------------------------------------------------------------------------------
 
 def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
-    """(plan, predicted peak, plans estimated): the fastest plan predicted to fit within MARGIN of
-    `budget` after rounding each fitting plan's micro-batch down to a divisor of `rows`; None when
-    the estimator cannot follow the model (said once in the log)."""
+    """(plan, predicted peak, plans estimated): the fastest plan predicted to fit `budget` (compared
+    as `start.headroom` says) after rounding each fitting plan's micro-batch down to a divisor of
+    `rows`; None when the estimator cannot follow the model (said once in the log)."""
     batch = sample_batch(trainer, rows)
     try:
         candidates = rank(trainer.model, batch, budget, precision=policy, optimizer=_optimizer(trainer),
-                          loss_fn=_loss_fn(trainer), margin=MARGIN,
+                          loss_fn=_loss_fn(trainer), **headroom(device),
                           device_type="cuda" if device.type == "cuda" else "cpu",
                           bf16_supported=device.supports_bf16(), allow_offload=False)
     except Exception as error:
@@ -182,7 +182,7 @@ def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
             f"{args.per_device_train_batch_size} x gradient_accumulation_steps="
             f"{args.gradient_accumulation_steps}, effective batch {rows * devices(args)}) on "
             f"{device.describe()}, checked before training: "
-            f"{needs_message(candidates, budget, margin=MARGIN, no_offload=NO_OFFLOAD)} "
+            f"{needs_message(candidates, budget, no_offload=NO_OFFLOAD, **headroom(device))} "
             f"autofit keeps the effective batch: lower it in the TrainingArguments, or give a larger budget.",
             budget=budget, breakdown=_leanest(candidates).estimate.breakdown if candidates else None,
             plan=_leanest(candidates).plan if candidates else None)

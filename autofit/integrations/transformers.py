@@ -15,7 +15,7 @@ Decisions, with their reasons:
 - Micro-batches divide the rows per step. The Trainer's accumulation is a count of equal loader
   batches, so a micro-batch that does not divide `per_device * accumulation` would change the
   effective batch. The fit takes the fastest plan the estimator predicts to fit (capacity.rank,
-  within start.MARGIN of the budget) after rounding each fitting plan's micro-batch down to a
+  the budget as start.headroom compares them) after rounding each fitting plan's micro-batch down to a
   divisor (a smaller micro-batch of the same configuration needs no more memory); the ladder
   halves to divisors too. A prime number of rows can only go to one row per micro-batch.
 - The user's explicit choices stay: `bf16`/`fp16` already set in the arguments fix the precision
@@ -61,7 +61,6 @@ import logging
 from dataclasses import dataclass, field
 
 from autofit.plans import precision as precisions
-from autofit.estimator.capacity import PRECISION_POLICIES
 from autofit.gpu.device import open_device
 from autofit.plans.ladder import BUSY_FLOOR, Either, checkpointing, mixed_precision
 from autofit.plans.plan import Plan
@@ -138,8 +137,7 @@ def _check(trainer, precision: str, training: bool = False, train_kwargs=None) -
         raise RuntimeError(f"autofit.integrations.transformers needs transformers >= 5 (found "
                            f"{transformers.__version__}): it sets mixed precision through "
                            f"TrainingArguments.mixed_precision; upgrade transformers.")
-    if precision not in PRECISION_POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    precisions.check_policy(precision)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise ValueError("the Trainer runs DeepSpeed or FSDP, which shard the model across devices; autofit "
@@ -163,9 +161,8 @@ def _check(trainer, precision: str, training: bool = False, train_kwargs=None) -
 
 def _policy(args, precision: str) -> str:
     """The precision policy: the user's bf16/fp16 stay as they are unless a precision is given."""
-    if precision == "auto" and (args.bf16 or args.fp16):
-        return "bf16" if args.bf16 else "fp16"
-    return precision
+    flagged = precisions.from_hf_flags(args)
+    return flagged if precision == precisions.AUTO and flagged else precision
 
 
 # -- fit ----------------------------------------------------------------------------------------
@@ -191,7 +188,7 @@ def _fit(trainer, device, precision: str) -> TrainerPlan:
     estimated = None if budget is None else hf.estimate_plan(trainer, device, budget, rows, policy)
     if estimated is None:
         plan = Plan(args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                    precision="fp32" if policy == "auto" else policy, checkpointing=keep_checkpointing)
+                    precision=precisions.start_precision(policy), checkpointing=keep_checkpointing)
         reason = (f"no budget on {device.describe()}: the TrainingArguments' batch kept" if budget is None
                   else "the estimator cannot follow the model: the TrainingArguments' batch kept")
     else:
@@ -211,7 +208,7 @@ def _ladder(trainer, rows: int, policy: str, bf16_supported: bool):
     """autofit.plans.ladder.default_ladder's order, with micro-batches that divide the rows per step and
     without offload."""
     moves = [hf.DivisorMicroBatch(rows, BUSY_FLOOR)]
-    if policy == "auto":
+    if policy == precisions.AUTO:
         moves.append(mixed_precision(precisions.mixed_for(bf16_supported)))
     if hf.can_checkpoint(trainer):
         moves.append(checkpointing())
@@ -272,7 +269,7 @@ def _whole_run(trainer, output, saves):
 def evaluate(trainer, budget=None, **evaluate_kwargs) -> TrainerEval:
     """`trainer.evaluate(**evaluate_kwargs)`, halving `per_device_eval_batch_size` after each
     out-of-memory error and evaluating again (the training arguments are never changed)."""
-    _check(trainer, "auto")
+    _check(trainer, precisions.AUTO)
     attempts: list = []
     with open_device(budget) as device:
         device.place_model(trainer.model)

@@ -3,16 +3,20 @@ cannot run is skipped with its reason instead of raising in the middle of a run.
 
 `not_applicable(plan, ...)` names the first part of `plan` that cannot run here, or None:
 - activation checkpointing on a model with no repeated blocks and no Hugging Face switch;
-- bf16 on a device without bf16 support;
+- a precision the device does not support (bf16 without bf16 support: Precision.supported_on);
 - optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
 - a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
   already updates one parameter at a time.
+
+`unavailable_changes(plan, applies)` applies the same rule to the changes a diagnosis may suggest
+after a failure, so autofit.explain never offers a fix the ladder would skip.
 """
 
 from __future__ import annotations
 
 from autofit.engine.checkpointing import Checkpointing
 from autofit.engine.offload import rebuild_problem
+from autofit.plans import precision as precisions
 
 
 def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing | None = None) -> str | None:
@@ -22,8 +26,8 @@ def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing 
         if not checkpointing.available and not checkpointing.initial:
             return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
                     f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
-    if plan.precision == "bf16" and not device.supports_bf16():
-        return f"bf16 is not supported on {device.describe()}"
+    if not precisions.get(plan.precision).supported_on(device):
+        return f"{plan.precision} is not supported on {device.describe()}"
     if plan.offload_optimizer:
         problem = rebuild_problem(optimizer)
         if problem:
@@ -47,3 +51,25 @@ def per_parameter_problem(optimizer, device) -> str | None:
     if all(g["foreach"] is False or (g["foreach"] is None and device.type != "cuda") for g in groups):
         return f"{name} already updates one parameter at a time (foreach off)"
     return None
+
+
+def unavailable_changes(plan, applies) -> dict[str, str]:
+    """{plan field: why turning it on cannot run for this job} for the changes a diagnosis may
+    suggest after a failure under `plan`: mixed precision (none of the registry's applies),
+    checkpointing, optimizer offload, a per-parameter step. `applies` is `not_applicable` bound to
+    the job (a plan -> reason or None); None, or a plan that does not apply itself: nothing known."""
+    if applies is None or applies(plan) is not None:
+        return {}
+    changes = {
+        "precision": [] if precisions.get(plan.precision).mixed else
+        [plan.replace(precision=name) for name in precisions.mixed_names()],
+        "checkpointing": [] if plan.checkpointing else [plan.replace(checkpointing=True)],
+        "offload_optimizer": [] if plan.offload_optimizer else [plan.replace(offload_optimizer=True)],
+        "per_parameter_step": [] if plan.per_parameter_step else [plan.replace(per_parameter_step=True)],
+    }
+    out = {}
+    for name, plans in changes.items():
+        reasons = [applies(p) for p in plans]
+        if reasons and all(reasons):
+            out[name] = reasons[0]
+    return out

@@ -54,11 +54,11 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return found
 
 
-def whole_first_ladder(sizes, precision: str = "auto", bf16_supported: bool = True,
+def whole_first_ladder(sizes, precision: str = precisions.AUTO, bf16_supported: bool = True,
                        allow_split: bool = True) -> Move:
     """Moves that keep the global batch whole first (bf16 only with precision="auto"), then
     halving the micro-batch down to 1 unless splitting is forbidden."""
-    steps = [mixed_precision(precisions.mixed_for(bf16_supported))] if precision == "auto" else []
+    steps = [mixed_precision(precisions.mixed_for(bf16_supported))] if precision == precisions.AUTO else []
     steps += [checkpointing(), offload_optimizer()]
     if allow_split:
         steps.append(ShrinkMicroBatch(sizes, floor=1))
@@ -126,7 +126,7 @@ class Coupling:
         starts from the first of them predicted to fit, as the ladder would reach it."""
         if not self.whole_first:
             return []
-        plan = Plan.for_batch(global_batch, precision="fp32" if precision == "auto" else precision)
+        plan = Plan.for_batch(global_batch, precision=precisions.start_precision(precision))
         ladder = whole_first_ladder(SizeLog(), precision, bf16_supported, allow_split=False)
         plans = [plan]
         while (plan := ladder(plan)) is not None:

@@ -138,9 +138,11 @@ class SetField(Move):
         return f"SetField({self.name}={self.value!r})"
 
 
-def mixed_precision(dtype: str = "bf16") -> Move:
-    if dtype not in precisions.MIXED:
-        raise ValueError(f"mixed precision is {' or '.join(map(repr, precisions.MIXED))} but got {dtype!r}.")
+def mixed_precision(dtype: str | None = None) -> Move:
+    """Autocast in `dtype` (default: the registry's first mixed precision, bf16) from an exact plan."""
+    dtype = precisions.mixed_for(True) if dtype is None else dtype
+    if dtype not in precisions.mixed_names():
+        raise ValueError(f"mixed precision is {' or '.join(map(repr, precisions.mixed_names()))} but got {dtype!r}.")
     return _OnlyFromFp32(dtype)
 
 
@@ -149,7 +151,7 @@ class _OnlyFromFp32(SetField):
         super().__init__("precision", dtype, f"{dtype} autocast halves activation memory")
 
     def step(self, plan):
-        return None if plan.precision != "fp32" else super().step(plan)
+        return None if precisions.get(plan.precision).mixed else super().step(plan)
 
 
 def checkpointing() -> Move:
@@ -219,7 +221,7 @@ def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_ba
     return None, "", skipped
 
 
-def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool = True) -> Move:
+def default_ladder(sizes: SizeLog, precision: str = precisions.AUTO, bf16_supported: bool = True) -> Move:
     """Exact moves first (accumulation), then cheaper numerics, then recomputation, then offload.
 
     With precision="auto": micro-batch down to BUSY_FLOOR, bf16 autocast (fp16 where bf16 is
@@ -227,7 +229,7 @@ def default_ladder(sizes: SizeLog, precision: str = "auto", bf16_supported: bool
     changes.
     """
     steps = [ShrinkMicroBatch(sizes, floor=BUSY_FLOOR)]
-    if precision == "auto":
+    if precision == precisions.AUTO:
         steps.append(mixed_precision(precisions.mixed_for(bf16_supported)))
     steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
     return phased(Either(*steps))

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from autofit.plans.precision import PRECISIONS
+from autofit.plans import precision as precisions
+from autofit.plans.precision import EXACT, PRECISIONS  # noqa: F401  (PRECISIONS: its old import path)
 
 
 def _positive(name: str, value) -> None:
@@ -29,7 +30,7 @@ class Plan:
 
     micro_batch_size: int
     accumulation_steps: int = 1
-    precision: str = "fp32"
+    precision: str = EXACT
     checkpointing: bool = False
     offload_optimizer: bool = False
     per_parameter_step: bool = False  # a default, so plans cached before it stay valid
@@ -37,8 +38,7 @@ class Plan:
     def __post_init__(self):
         _positive("micro_batch_size", self.micro_batch_size)
         _positive("accumulation_steps", self.accumulation_steps)
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} but got {self.precision!r}.")
+        precisions.get(self.precision)  # raises naming the value and the choices
 
     @classmethod
     def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields) -> "Plan":

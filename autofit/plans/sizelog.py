@@ -22,6 +22,20 @@ def config_of(plan: Plan) -> tuple:
 EVERY = None  # a length not given: a record or a question about every length
 
 
+class Unguided:
+    """The upward search without estimates (`autofit.estimator.guide.Guide`'s interface): no guess,
+    so `SizeLog.probe_up` bisects; nothing learned from a good attempt."""
+
+    measured = None
+    calibration = 1.0
+
+    def largest(self, plan: Plan, fit: int, ceiling: int, length=None) -> None:
+        return None
+
+    def observe(self, plan: Plan, peak: int, length) -> None:
+        pass
+
+
 @dataclass
 class SizeLog:
     """Micro-batch sizes seen to fit or fail, per configuration and per row length.
@@ -110,14 +124,23 @@ class SizeLog:
         failed = self.fail(plan, length)
         return failed is not None and plan.micro_batch_size >= failed
 
-    def probe_up(self, plan: Plan, global_batch: int, length=None) -> Plan | None:
-        """The next larger micro-batch worth trying for this configuration, or None when settled."""
+    def probe_up(self, plan: Plan, global_batch: int, length=None, guess=None) -> Plan | None:
+        """The next larger micro-batch worth trying for this configuration, or None when settled.
+
+        `guess(plan, fit, ceiling, length) -> size | None`: the largest size in [fit, ceiling)
+        predicted to fit (an `autofit.estimator.guide.Guide`'s `largest`); the probe goes there
+        (none when it is `fit`). Without a guess (None), it bisects between the largest size that
+        fitted and the smallest that failed, trying the whole batch first when none failed."""
         fit = self.fit(plan, length)
         if fit is None or fit != plan.micro_batch_size:
             return None
         ceiling = min(self.fail(plan, length) or global_batch + 1, global_batch + 1)
         if ceiling - fit <= 1:
             return None
+        target = None if guess is None else guess(plan, fit, ceiling,
+                                                  self.length if length is None else length)
+        if target is not None:
+            return plan.with_micro_batch(target, global_batch) if fit < target < ceiling else None
         size = (fit + ceiling) // 2 if ceiling <= global_batch else global_batch
         return plan.with_micro_batch(size, global_batch)
 

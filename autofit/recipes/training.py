@@ -33,8 +33,10 @@ from autofit.plans.ladder import SizeLog, as_move
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
+from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
-from autofit.estimator.start import SETTLE_WITHIN, estimated_start, longest_batch, tensor_budget
+from autofit.estimator.start import (SETTLE_WITHIN, budget_caps, estimated_start, longest_batch,
+                                     make_guide, tensor_budget)
 from autofit.engine.step import StepRunner
 from autofit.engine.token_loss import loss_weighting
 
@@ -70,7 +72,7 @@ class Training:
         self.allow_split, self.coupling = allow_split, None
         self.user_ladder = None if ladder is None else as_move(ladder)
         self.sizes = SizeLog()
-        self.controller = self.runner = self.watch = self.memo = None
+        self.controller = self.runner = self.watch = self.memo = self.guide = None
         self.closed = False
         self.findings: list[dict] = []  # autofit.diagnosis.leaks findings, kept after the watch is gone
         self.step = 0             # global batches trained
@@ -94,8 +96,9 @@ class Training:
             self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
             device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
-            if self.precision == "fp16" and device.type == "cpu":
-                log.info("fp16 autocast on CPU is far slower than bf16; it is honoured as asked")
+            if device.type in getattr(precisions.REGISTRY.get(self.precision), "slow_on", ()):
+                log.info("%s autocast is far slower than the other precisions on %s; it is honoured as asked",
+                         self.precision, device.type)
         except BaseException:
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
@@ -141,13 +144,18 @@ class Training:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:
                 batch = longest_batch(data, first) if data is not None else first
+                # The guide's probe is one rank's estimate: under torch.distributed the ranks'
+                # agreement steers the search instead.
+                guide = None if self.distributed else \
+                    make_guide(device, memo.calibration(budget_caps(device)))
                 estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
                                             lockstep.estimate_view(device), precision, sizes,
-                                            coupling=self.coupling)
+                                            coupling=self.coupling, guide=guide)
                 if estimated is not None:
+                    self.guide = guide
                     start, reason = estimated
                     return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
-            return (Plan.for_batch(first_rows, precision="fp32" if precision == "auto" else precision),
+            return (Plan.for_batch(first_rows, precision=precisions.start_precision(precision)),
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
@@ -164,7 +172,8 @@ class Training:
             sync = lockstep.sharded.sync if lockstep.sharded is not None else None  # FSDP's gradient sync
             self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync, **options)
         self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
-                                     quiet=not self.progress, settle_within=settle_within)
+                                     quiet=not self.progress, settle_within=settle_within,
+                                     guide=self.guide)
         self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
         self.watch.check_batch(first, data)
         self.coupling.guard()  # a recompute in backward leaves running statistics as they were
@@ -210,7 +219,8 @@ class Training:
                 self.lockstep.finish()  # every rank got to the end, at the same step
                 if self.controller is not None:
                     self.memo.remember(self.controller.plan, self.sizes, self.controller.attempts,
-                                       self.samples)
+                                       self.samples, calibration=self.controller.guide.measured,
+                                       calibrated=budget_caps(self.device))
             elif isinstance(error, DoesNotFit) and self.watch is not None:
                 self.explain_refusal(error)
         except BaseException:
@@ -239,6 +249,8 @@ class Training:
         self.runner = self.scheduler = self.watch = None
         if self.controller is not None:
             self.controller.runner = None
+        if self.guide is not None:
+            self.guide.estimator = None  # its fake copies of the model and optimizer
         gc.collect()
         self.device.empty_cache()
 

@@ -29,8 +29,8 @@ from autofit.estimator.capacity import micro_batch_sizes, plan_cost, rank
 from autofit.engine.controller import Controller
 from autofit.errors import DoesNotFit
 from autofit.plans.ladder import Move, SizeLog, config_of
-from autofit.plans.plan import PRECISIONS, Plan
-from autofit.estimator.start import MARGIN, estimated_start, tensor_budget
+from autofit.plans.plan import Plan
+from autofit.estimator.start import estimated_start, headroom, tensor_budget
 from autofit.engine.step import StepRunner
 
 HALVINGS = 2  # smaller micro-batches per configuration: about 1/2 and 1/4 of the largest that fits
@@ -159,15 +159,15 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
     default comes first, then the others by `capacity.plan_cost`, fastest first."""
     started = estimated_start(model, batch, optimizer, loss_fn, device, precision, SizeLog())
     if started is None:  # nothing to check against, or the estimator cannot follow the model
-        default = Plan.for_batch(global_batch, precision="fp32" if precision == "auto" else precision)
+        default = Plan.for_batch(global_batch, precision=precisions.start_precision(precision))
     else:
         default = started[0].with_micro_batch(started[0].micro_batch_size, global_batch)
     fitting = [default]
-    if precision == "auto" and started is not None:
-        mixed = precisions.mixed_for(device.supports_bf16())
-        for other in [p for p in ("fp32", mixed) if p != default.precision]:
+    if precision == precisions.AUTO and started is not None:
+        allowed = precisions.allowed(precision, device.supports_bf16())
+        for other in [p for p in allowed if p != default.precision]:
             fitting += [c.plan for c in rank(model, batch, tensor_budget(device), precision=other,
-                                             optimizer=optimizer, loss_fn=loss_fn, margin=MARGIN,
+                                             optimizer=optimizer, loss_fn=loss_fn, **headroom(device),
                                              device_type="cuda" if device.type == "cuda" else "cpu",
                                              bf16_supported=device.supports_bf16()) if c.fits]
     largest: dict[tuple, int] = {}
@@ -182,7 +182,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
                                   offload_optimizer=offload)
             if plan not in space:
                 space.append(plan)
-    order = {p: i for i, p in enumerate(PRECISIONS)}
+    order = {p: i for i, p in enumerate(precisions.names())}
     rest = sorted(space[1:], key=lambda p: (plan_cost(p, global_batch), order[p.precision],
                                             p.checkpointing, p.offload_optimizer, -p.micro_batch_size))
     return default, [default] + rest

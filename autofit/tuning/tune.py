@@ -1,10 +1,9 @@
 """autofit.tune (this module: autofit.tuning.tune): measure the plans the estimator says fit, and cache the fastest for autofit.run.
-(Over 300 lines: its docstring is the reference of what tune measures and how it chooses.)
 
 The search space
 ----------------
 `autofit.run` starts from the plan the capacity check predicts to be fastest (`start.estimated_start`:
-`capacity.rank` with the runner's MARGIN, then `capacity.choose`): the *default plan*. The cost model
+`capacity.rank` with the device's `start.headroom`, then `capacity.choose`): the *default plan*. The cost model
 behind that choice is a model, and `rank` stops estimating as soon as no other plan could beat its
 best one by that model, so `rank` alone returns a single fitting plan in most jobs. tune measures:
 
@@ -71,7 +70,7 @@ from autofit.engine.inputs import build_optimizer, global_batches
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.plans.ladder import SizeLog, config_of
 from autofit.cache.memo import Memo
-from autofit.plans.plan import PRECISIONS
+from autofit.plans import precision as precisions
 from autofit.estimator.start import longest_batch, tensor_budget
 from autofit.tuning.study import (
     TuneTrial,
@@ -82,14 +81,13 @@ from autofit.tuning.study import (
     run_queue,
     stored_space,
 )
+from autofit.tuning.options import RUN_OPTIONS, check_options, no_budget_message, run_options  # noqa: F401  (names of autofit.tuning.tune)
 from autofit.tuning.throughput import Pristine, measure, search_space
 from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict  # noqa: F401  (names of autofit.tune)
 
 log = logging.getLogger("autofit")
 
 STUDY_PREFIX = "autofit-"
-PRECISION_POLICIES = ("auto",) + PRECISIONS
-RUN_OPTIONS = ("n_trials", "steps", "warmup", "rounds", "retune", "storage", "study_name", "clock")
 
 
 def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False,
@@ -113,8 +111,7 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=R
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
     check_options(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
                   storage=storage, study_name=study_name, clock=clock)
-    if precision not in PRECISION_POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_POLICIES)} but got {precision!r}.")
+    precisions.check_policy(precision)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
     if isinstance(data, Iterator):
@@ -140,7 +137,7 @@ def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=R
                 placed.undo(opt)
 
 
-def tune_on(device, model, optimizer, *, first, batches, longest=None, precision="auto", loss_fn=None,
+def tune_on(device, model, optimizer, *, first, batches, longest=None, precision=precisions.AUTO, loss_fn=None,
             n_trials=None, warmup=1, rounds=ROUNDS, retune=False, storage=None, study_name=None,
             cache=True, clock=time.perf_counter) -> TuneResult:
     """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`):
@@ -188,58 +185,7 @@ def tune_on(device, model, optimizer, *, first, batches, longest=None, precision
     return result
 
 
-def check_options(*, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False, storage=None,
-                  study_name=None, clock=time.perf_counter) -> None:
-    """Raise on bad tune options, before any work."""
-    if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
-        raise ValueError(f"n_trials must be a positive int, or None to run every trial of the "
-                         f"measurement, but got {n_trials!r}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int (global batches timed per trial) but got {steps!r}.")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0 (untimed global batches per trial) but got {warmup!r}.")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int (every plan measured once per round; "
-                         f"{ROUNDS} by default) but got {rounds!r}.")
-    if not isinstance(retune, bool):
-        raise TypeError(f"retune must be True (measure again) or False but got {retune!r}.")
-    if storage is not None and not isinstance(storage, str) and not hasattr(storage, "create_new_study"):
-        raise TypeError(f"storage must be None (the plan cache file), a database URL such as "
-                        f"'postgresql://...' or an optuna storage, but got {type(storage).__name__}.")
-    if study_name is not None and (not isinstance(study_name, str) or not study_name):
-        raise ValueError(f"study_name must be a non-empty string, or None to name the study after the "
-                         f"job, but got {study_name!r}.")
-    if not callable(clock):
-        raise TypeError(f"clock must be a callable returning seconds, e.g. time.perf_counter, but got "
-                        f"{clock!r}.")
-
-
-def no_budget_message(budget, device) -> str:
-    return (f"budget={budget!r} on {device.describe()}: nothing limits memory here, so there is "
-            f"nothing to tune against; pass budget='8GiB' (the memory of the card you will train on; "
-            f"without CUDA, a simulated GPU of that size) or run on a GPU.")
-
-
 # -- for autofit.run(..., tune=...) -----------------------------------------------------------------
-
-def run_options(tune) -> dict:
-    """The options of `run(..., tune=...)`: True (defaults) or a dict of some of RUN_OPTIONS.
-    Raises on bad ones, and when optuna is missing, before any work."""
-    if tune is True:
-        options = {}
-    elif isinstance(tune, dict):
-        unknown = sorted(set(tune) - set(RUN_OPTIONS))
-        if unknown:
-            raise ValueError(f"tune={tune!r} has unknown option(s) {unknown}; the options are "
-                             f"{', '.join(RUN_OPTIONS)}.")
-        options = dict(tune)
-    else:
-        raise TypeError(f"tune must be False, True or a dict of options ({', '.join(RUN_OPTIONS)}) "
-                        f"but got {tune!r}.")
-    check_options(**options)
-    import_optuna()
-    return options
-
 
 def tune_for_run(options: dict, *, device, model, optimizer, data, first, epoch_batches, precision,
                  loss_fn, cache) -> TuneResult:

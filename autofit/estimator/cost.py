@@ -1,0 +1,86 @@
+"""The cost model: how long one optimizer step of a plan takes, relative to the others, and the plans
+worth considering for a global batch, fastest first. `autofit.estimator.capacity` searches them for
+the fastest that fits.
+
+Cost model
+----------
+`cost` is the relative time of one optimizer step as autofit weighs plans: 1.0 is the whole global
+batch in one fp32 micro-batch, without checkpointing or offload. It is a model, not a benchmark:
+
+- micro-batches: a micro-batch of `n` rows costs `max(n, BUSY_FLOOR) + MICRO_OVERHEAD` row-units.
+  Below BUSY_FLOOR (8) rows a GPU is not kept busy, so 2 rows take as long as 8; every micro-batch
+  also pays a fixed cost (kernel launches, synchronisation) worth MICRO_OVERHEAD (1) row. So fewer,
+  larger micro-batches are faster, and micro-batches below 8 are heavily penalised.
+- precision: mixed precision (bf16/fp16) is charged MIXED_PRECISION_COST (1.15x). It runs faster
+  on tensor cores, but it changes the mathematics, and autofit prefers exact math: the factor is
+  set just above the accumulation cost of micro-batches of 8 rows ((8+1)/8 = 1.125), so exact
+  fp32 with accumulation down to micro-batch 8 ranks before bf16 — the order the runtime ladder
+  walks (accumulation first, then bf16). fp32 below micro-batch 8 ranks after bf16, and so may a
+  small batch split unevenly (9 rows as 8 + 1 cost 1.8: the second micro-batch idles the GPU).
+- checkpointing: CHECKPOINT_COST (4/3): backward recomputes the forward (forward is ~1/3 of a step).
+  Chosen so that bf16 at micro-batch >= 8 (<= 1.125 * 1.15 = 1.29) ranks before checkpointing, as
+  in the ladder.
+- offload: OFFLOAD_COST (3x): the optimizer update runs on the host and every step copies the
+  gradients there and the parameters back. The slowest lever, used when nothing else fits.
+"""
+
+from __future__ import annotations
+
+from autofit.plans.ladder import BUSY_FLOOR
+from autofit.plans import precision as precisions
+from autofit.plans.plan import Plan
+from autofit.plans.precision import get as get_precision
+
+MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
+CHECKPOINT_COST = 4 / 3       # one more forward
+OFFLOAD_COST = 3.0            # host update and transfers
+
+
+def micro_batch_sizes(global_batch: int) -> list[int]:
+    """The micro-batch sizes worth trying, largest first: for each number of micro-batches k, the
+    smallest size that needs only k of them (ceil(global_batch / k)). Halvings are among them;
+    every other size uses more memory than one of these for the same number of micro-batches."""
+    _check_positive("global_batch", global_batch)
+    return sorted({-(-global_batch // k) for k in range(1, global_batch + 1)}, reverse=True)
+
+
+def plan_cost(plan: Plan, global_batch: int) -> float:
+    """Relative step time of `plan` for a global batch (1.0: one fp32 micro-batch of all of it)."""
+    _check_positive("global_batch", global_batch)
+    m = min(plan.micro_batch_size, global_batch)
+    full, last = divmod(global_batch, m)
+    rows = full * (max(m, BUSY_FLOOR) + MICRO_OVERHEAD)
+    if last:
+        rows += max(last, BUSY_FLOOR) + MICRO_OVERHEAD
+    cost = rows / (max(global_batch, BUSY_FLOOR) + MICRO_OVERHEAD)
+    cost *= get_precision(plan.precision).cost
+    if plan.checkpointing:
+        cost *= CHECKPOINT_COST
+    if plan.offload_optimizer:
+        cost *= OFFLOAD_COST
+    return cost
+
+
+def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16_supported: bool = True,
+                    allow_offload: bool = True, checkpointing: bool = True) -> list[Plan]:
+    """Every plan worth considering for a global batch, fastest first (by `plan_cost`; ties: fp32,
+    no checkpointing, no offload, larger micro-batch first).
+
+    Micro-batches: `micro_batch_sizes(global_batch)`. Precision: "auto" gives fp32 and bf16 (fp16
+    where bf16 is unsupported); a fixed precision gives only itself. Checkpointing off and on
+    (`checkpointing=False`: off only), offload off and on (`allow_offload=False`: off only).
+    """
+    allowed = precisions.allowed(precision, bf16_supported)
+    plans = [Plan.for_batch(global_batch, m, precision=p, checkpointing=c, offload_optimizer=o)
+             for p in allowed
+             for c in ((False, True) if checkpointing else (False,))
+             for o in ((False, True) if allow_offload else (False,))
+             for m in micro_batch_sizes(global_batch)]
+    order = {p: i for i, p in enumerate(precisions.names())}
+    return sorted(plans, key=lambda p: (plan_cost(p, global_batch), order[p.precision], p.checkpointing,
+                                        p.offload_optimizer, -p.micro_batch_size))
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int but got {value!r}.")
