@@ -1,4 +1,5 @@
 """One interface over a CUDA card, the simulated GPU and a plain CPU, so the runner never branches.
+(Just over 300 lines: the interface and its three implementations read best side by side.)
 
 `open_device(budget)` picks:
 - a CUDA card when one is present (a budget is enforced with `set_per_process_memory_fraction`,

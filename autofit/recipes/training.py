@@ -24,6 +24,7 @@ from autofit.engine.controller import Controller
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
 from autofit.distributed.fsdp import shard as shard_model
+from autofit.distributed.local import Local
 from autofit.distributed.lockstep import open_lockstep
 from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
@@ -254,56 +255,3 @@ class Training:
         gc.collect()
         self.device.empty_cache()
 
-
-class Local:
-    """The lockstep of a single process: `distributed.Lockstep`'s interface, nothing to agree on."""
-
-    rank, world = 0, 1
-
-    def __init__(self, model):
-        self.module = model
-
-    def scope(self):
-        return contextlib.nullcontext(self)
-
-    def hello(self, first, data, device, *, dataset: bool) -> None:
-        pass
-
-    def epochs(self, epoch_batches):
-        return epoch_batches
-
-    def eval_share(self, data):
-        return data
-
-    def combine_eval(self, result):
-        return result
-
-    def agree_budgets(self, device, tensor_budget) -> None:
-        pass
-
-    def estimate_view(self, device):
-        return device
-
-    def cache_view(self, device):
-        return device
-
-    def agree_start(self, choose, sizes):
-        return choose()
-
-    def local(self, batch):
-        return batch
-
-    def next_batch(self, batch, count=None):
-        self.global_rows = rows_of(batch)
-        return batch
-
-    def check_dataset(self, length: int, batch_size: int) -> None:
-        pass
-
-    sharded = None
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
