@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -128,19 +127,9 @@ def run_ranks(out_dir: str, configs=CONFIGS) -> list[dict]:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
-    context = torch.multiprocessing.get_context("spawn")
+    from spawn import spawn_ranks
     init = os.path.join(out_dir, "init")
-    procs = [context.Process(target=_worker, args=(r, init, out_dir, configs)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join()
-    if alive or any(p.exitcode for p in procs):
-        raise RuntimeError(f"ranks ended with exit codes {[p.exitcode for p in procs]}"
-                           f"{' (killed after a timeout)' if alive else ''}")
+    codes, killed = spawn_ranks(_worker, lambda r: (r, init, out_dir, configs), WORLD, TIMEOUT)
+    if killed or any(codes):
+        raise RuntimeError(f"ranks ended with exit codes {codes}{' (killed after a timeout)' if killed else ''}")
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from spawn import Samples, sampler, spawn_ranks
 
 WORLD = 2
 GLOBAL = 32                 # rows of a global batch: 16 per rank
@@ -64,25 +65,12 @@ class _BrokenData:
         raise OSError("rank 1 lost its data file")
 
 
-class _Samples(torch.utils.data.Dataset):
-    """Samples of `cls_batches(2, rows=GLOBAL)` one by one, for a DataLoader with a sampler."""
-
-    def __init__(self):
-        from reference import cls_batches
-        self.rows = [{k: v[i] for k, v in b.items()} for b in cls_batches(2, rows=GLOBAL) for i in range(GLOBAL)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
+def _Samples():
+    return Samples(GLOBAL)
 
 
 def _sampler(rank, epoch=0):
-    sampler = torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
-                                                              shuffle=True, seed=7)
-    sampler.set_epoch(epoch)
-    return sampler
+    return sampler(GLOBAL, WORLD, rank, seed=7, epoch=epoch)
 
 
 class _Fails:
@@ -345,20 +333,10 @@ def ranks(tmp_path_factory):
     # Rank 1 fits 8 of its 16 rows at once but not 12; rank 0 fits all 16.
     small = (_second_step_peak(local, 8) + _second_step_peak(local, 12)) // 2
     budgets = [2 * small, small]
-    context = torch.multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out), budgets, ddp_buckets))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + PROCESS_TIMEOUT
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join()
-    assert not alive, f"ranks {[procs.index(p) for p in alive]} still running after {PROCESS_TIMEOUT} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out), budgets, ddp_buckets),
+                                WORLD, PROCESS_TIMEOUT)
+    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
+    assert codes == [0] * WORLD, f"exit codes {codes}"
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return seen, out
 

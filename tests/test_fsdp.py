@@ -51,6 +51,26 @@ def test_plain_parameters_are_not_sharded():
     assert not is_sharded(object())
 
 
+def test_evaluation_of_a_sharded_model_is_refused_before_any_training(tmp_path):
+    """Refused the same way on every rank (here a group of one), before the first batch is trained:
+    a sharded forward all-gathers, and evaluation's own ladder has no agreements yet."""
+    import torch.distributed as dist
+    import autofit
+    from reference import bert, cls_batches
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model = bert()
+        batches = cls_batches(2, rows=4)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match=r"evaluation of a model sharded with fully_shard \(FSDPBertForSequenceClassification\) is not supported"):
+            autofit.run(model, batches, eval_data=batches[:1], shard=True, cache=False,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was trained
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_cache_key_holds_the_world_size_and_the_sharding():
     from autofit.cache.fingerprint import job_key
     from reference import bert, cls_batches
@@ -74,28 +94,19 @@ import os  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
+from spawn import Samples, sampler, spawn_ranks  # noqa: E402
+
 WORLD, PER_RANK = 2, 8          # rows of each rank's share; a global batch has 16
 SLOWEST_ERROR_EXIT = 30.0       # seconds; the process group's timeout is 60 s, so a hang would show
 PROCESS_TIMEOUT = 300
 
 
-class _Samples(torch.utils.data.Dataset):
-    def __init__(self):
-        from reference import cls_batches
-        self.rows = [{k: v[i] for k, v in b.items()} for b in cls_batches(2, rows=16) for i in range(16)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
+def _Samples():
+    return Samples(16)
 
 
 def _sampler(rank, epoch=0):
-    sampler = torch.utils.data.distributed.DistributedSampler(_Samples(), num_replicas=WORLD, rank=rank,
-                                                              shuffle=True, seed=5)
-    sampler.set_epoch(epoch)
-    return sampler
+    return sampler(16, WORLD, rank, seed=5, epoch=epoch)
 
 
 def _halve(plan):
@@ -243,19 +254,9 @@ def _worker(rank, init_file, out_dir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    context = torch.multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_worker, args=(r, str(out / "init"), str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + PROCESS_TIMEOUT
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join()
-    assert not alive, f"ranks {[procs.index(p) for p in alive]} still running after {PROCESS_TIMEOUT} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out)), WORLD, PROCESS_TIMEOUT)
+    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
+    assert codes == [0] * WORLD, f"exit codes {codes}"
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
     return seen, params

@@ -23,7 +23,7 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
-from autofit.distributed.fsdp import shard as shard_model
+from autofit.distributed.fsdp import is_sharded, shard as shard_model
 from autofit.distributed.local import Local
 from autofit.distributed.lockstep import open_lockstep
 from autofit.distributed.runner import DistributedStepRunner
@@ -197,9 +197,22 @@ class Training:
         self.samples += lockstep.global_rows  # the global batch's rows, every rank's share counted
         return loss
 
+    def refuse_sharded_evaluation(self) -> None:
+        """Evaluation of an FSDP2-sharded model is refused, the same way on every rank and before
+        any collective: each forward all-gathers, so ranks whose evaluation shares differ in batch
+        count, or one rank stepping down its evaluation batch after an OOM, would leave the others
+        waiting in a gather for ever. A refusal beats a hang until evaluation has its own agreements."""
+        if is_sharded(self.model):
+            raise ValueError(f"evaluation of a model sharded with fully_shard ({type(self.model).__name__}) "
+                             "is not supported by autofit yet: its forward all-gathers on every rank, "
+                             "and one rank's evaluation ladder could leave the others waiting. Evaluate "
+                             "in your own loop with the same number of batches on every rank, or "
+                             "train without shard=/fully_shard.")
+
     def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
         """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
         (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
+        self.refuse_sharded_evaluation()
         start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
         done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn,
                         metric_fn=metric_fn, device=self.device, sizer=self.sizer,

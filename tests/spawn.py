@@ -1,0 +1,47 @@
+"""What the distributed tests share: spawning a job's ranks (none left running) and a per-row dataset
+that a DistributedSampler shares out."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def spawn_ranks(target, args_of, world: int, timeout: float) -> tuple[list, list]:
+    """Run `target(*args_of(rank))` in `world` spawned processes, wait at most `timeout` seconds in
+    all, kill what is still running. Returns the exit codes and the ranks that had to be killed."""
+    context = torch.multiprocessing.get_context("spawn")
+    procs = [context.Process(target=target, args=args_of(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    return [p.exitcode for p in procs], [procs.index(p) for p in alive]
+
+
+class Samples(torch.utils.data.Dataset):
+    """The rows of two classification batches of `rows` rows each, one dict per row."""
+
+    def __init__(self, rows: int):
+        from reference import cls_batches
+        self.rows = [{k: v[i] for k, v in b.items()} for b in cls_batches(2, rows=rows) for i in range(rows)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def sampler(rows: int, world: int, rank: int, *, seed: int, epoch: int = 0):
+    """A shuffled DistributedSampler over `Samples(rows)` at `epoch`."""
+    it = torch.utils.data.distributed.DistributedSampler(Samples(rows), num_replicas=world, rank=rank,
+                                                         shuffle=True, seed=seed)
+    it.set_epoch(epoch)
+    return it
