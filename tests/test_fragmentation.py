@@ -171,3 +171,31 @@ def test_on_cuda_new_segments_are_expandable_after_the_switch_and_the_settings_c
     assert torch._C._accelerator_getAllocatorSettings() == ",".join(
         s for s in (before, "expandable_segments:False") if s)
     torch.cuda.empty_cache()
+
+
+def _evaluate(budget, prior_rows):
+    """autofit.evaluate of one 2048-row batch on a simulated GPU whose cache a larger no-grad pass
+    (`prior_rows`) left behind. -> the EvalResult."""
+    model = _mlp().eval()
+    with autofit.simulate_gpu(budget, caps="reserved"):
+        if prior_rows:
+            with torch.no_grad():
+                model(_batch(prior_rows, 1)[0])
+        return autofit.evaluate(model, [_batch(ROWS, 2)], loss_fn=_loss, batch_size=ROWS)
+
+
+def test_evaluation_replays_a_batch_the_cache_holes_failed_at_the_same_size():
+    result = _evaluate(40 * MiB, EVAL_ROWS)
+    assert [(a.batch_size, a.outcome) for a in result.attempts] == [(2048, "oom"), (2048, "ok")]
+    assert result.attempts[1].reason.startswith("fragmentation: 18.80 MiB of 34.00 MiB reserved")
+    assert result.attempts[1].reason.endswith("emptied the cache, then the same plan again")
+    free = _evaluate(None, 0)  # the same loss as an unconstrained evaluation, at the same size
+    assert [(a.batch_size, a.outcome) for a in free.attempts] == [(2048, "ok")]
+    assert result.loss == free.loss and result.batch_size == 2048
+
+
+def test_evaluation_halves_when_emptying_the_cache_does_not_help():
+    result = _evaluate(34 * MiB, EVAL_ROWS)
+    assert [(a.batch_size, a.outcome) for a in result.attempts] == [(2048, "oom"), (2048, "oom"), (1024, "ok")]
+    assert result.attempts[1].reason.startswith("fragmentation: ")
+    assert result.attempts[2].reason == "halved after 2048 rows ran out of memory"

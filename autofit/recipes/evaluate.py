@@ -40,6 +40,7 @@ import torch
 from autofit.engine.attempt import Attempter, until_fits
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import slice_batch, token_counter
+from autofit.gpu import fragmentation
 from autofit.gpu.device import open_device
 from autofit.recipes.eval_data import check_arguments, check_data, check_structure, is_map_dataset, units
 from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer  # noqa: F401  (their public path)
@@ -103,11 +104,10 @@ class _Evaluator:
         self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
         self.count_tokens = token_counter(model, device) if loss_fn is None else None
         self.reason = first_reason
+        self._retried = set()  # (batch, first sample, rows) replayed after the cache's holes were freed
         self.attempts: list[EvalAttempt] = []
         self.output = None  # the model's output of the current forward, for metric_fn
-        self.loss_sum = 0.0
-        self.weight_sum = 0
-        self.samples = 0
+        self.loss_sum, self.weight_sum, self.samples = 0.0, 0, 0
         self.metric_sums: dict[str, float] = {}
         self.final_rows = 0  # most rows run in one forward since the last step-down
         self.trying = 0      # rows of the current attempt
@@ -160,11 +160,17 @@ class _Evaluator:
                 budget=self.device.budget)
         self.device.reset_peak_memory_stats()
         return self.attempter(lambda: self.forward(slice_batch(unit, pos, pos + size), index, first, size)
-                              + (size,), peak=self.device.max_memory_allocated)
+                              + (size,), inspect=lambda error: fragmentation.measure(self.device, error),
+                              peak=self.device.max_memory_allocated)
 
     def after_oom(self, outcome, index: int, first: int) -> bool:
         size = self.trying
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
+        key = (index, first, size)  # as in training: the cache's holes replay the same size once
+        if key not in self._retried and (why := fragmentation.retry_reason(self.device, outcome.found)):
+            self._retried.add(key)
+            self.reason = why
+            return True
         new = self.sizer.oom(size)
         if new is None:
             raise DoesNotFit(
