@@ -1,5 +1,5 @@
-"""What the distributed tests share: spawning a job's ranks (none left running) and a per-row dataset
-that a DistributedSampler shares out."""
+"""What the distributed tests share: spawning a job's ranks (none left running), a per-row dataset
+that a DistributedSampler shares out, a half-applied optimizer step, and a rank's outcome timed."""
 
 from __future__ import annotations
 
@@ -45,3 +45,26 @@ def sampler(rows: int, world: int, rank: int, *, seed: int, epoch: int = 0):
                                                          shuffle=True, seed=seed)
     it.set_epoch(epoch)
     return it
+
+
+class FlakyAdamW(torch.optim.AdamW):
+    """Applies its first update, then runs out of memory: a step that fails half-way."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        super().step(closure)
+        type(self).calls += 1
+        if type(self).calls == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in "
+                                         "the optimizer step)")
+
+
+def timed(fn) -> dict:
+    """What `fn()` gave ("value") or raised ("error", "message"), and how many seconds it took."""
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    return {"value": value, "seconds": time.monotonic() - start}

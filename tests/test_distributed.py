@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
-from spawn import Samples, sampler, spawn_ranks
+from spawn import FlakyAdamW, Samples, sampler, spawn_ranks, timed
 
 WORLD = 2
 GLOBAL = 32                 # rows of a global batch: 16 per rank
@@ -30,28 +29,6 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 def _attempts(result_or_error):
     return [[a.step, a.plan.micro_batch_size, a.outcome, a.where, a.error]
             for a in result_or_error.attempts]
-
-
-def _timed(fn):
-    start = time.monotonic()
-    try:
-        value = fn()
-    except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
-        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
-    return {"value": value, "seconds": time.monotonic() - start}
-
-
-class _FlakyAdamW(torch.optim.AdamW):
-    """Applies its first update, then runs out of memory: a step that fails half-way."""
-
-    calls = 0
-
-    def step(self, closure=None):
-        super().step(closure)
-        type(self).calls += 1
-        if type(self).calls == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in "
-                                         "the optimizer step)")
 
 
 class _BrokenData:
@@ -194,7 +171,7 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
     # 5. Rank 1's optimizer step runs out of memory after updating: both ranks roll back.
     model = bert()
     with autofit.simulate_gpu("8MiB"):
-        result = run(model, optimizer=_FlakyAdamW if rank == 1 else None, cache=False)
+        result = run(model, optimizer=FlakyAdamW if rank == 1 else None, cache=False)
     seen["step_oom"] = {"attempts": _attempts(result),
                         "micro": [h["plan"].micro_batch_size for h in result.history]}
     torch.save(model.state_dict(), os.path.join(out_dir, f"step_oom-{rank}.pt"))
@@ -208,21 +185,21 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
             raise ValueError("rank 1 cannot compute this loss")
         return model(**batch).loss
     with autofit.simulate_gpu("8MiB"):
-        seen["error"] = _timed(lambda: run(bert(), loss_fn=loss_fn, cache=False))
+        seen["error"] = timed(lambda: run(bert(), loss_fn=loss_fn, cache=False))
 
     # 7. A non-OOM error outside any step (reading rank 1's data).
     with autofit.simulate_gpu("8MiB"):
-        seen["data_error"] = _timed(lambda: run(bert(), data=_BrokenData(batches) if rank == 1 else batches,
+        seen["data_error"] = timed(lambda: run(bert(), data=_BrokenData(batches) if rank == 1 else batches,
                                                 cache=False))
 
     # 8. Rank 1 has one global batch fewer.
     with autofit.simulate_gpu("8MiB"):
-        seen["short"] = _timed(lambda: run(bert(), data=batches[:2] if rank == 1 else batches, cache=False))
+        seen["short"] = timed(lambda: run(bert(), data=batches[:2] if rank == 1 else batches, cache=False))
 
     # 9. Global batches that cannot be split evenly: the first one, and a later one.
     odd = {k: v[:GLOBAL - 1] for k, v in batches[1].items()}
-    seen["odd_first"] = _timed(lambda: run(bert(), data=[odd], cache=False))
-    seen["odd_later"] = _timed(lambda: run(bert(), data=[batches[0], odd], cache=False))
+    seen["odd_first"] = timed(lambda: run(bert(), data=[odd], cache=False))
+    seen["odd_later"] = timed(lambda: run(bert(), data=[batches[0], odd], cache=False))
 
     # 10. The user's own DDP model, under the budgets of scenario 1 plus the buckets its reducer holds
     # (autofit makes no DDP of its own, so scenario 1 has none).
@@ -251,26 +228,26 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
 
     # 13. Data that cannot be told apart: refused on every rank at the first agreement.
     sampled = torch.utils.data.DataLoader(_Samples(), batch_size=GLOBAL // WORLD, sampler=_sampler(rank))
-    seen["mixed"] = _timed(lambda: run(bert(), data=sampled if rank == 0 else batches, cache=False))
+    seen["mixed"] = timed(lambda: run(bert(), data=sampled if rank == 0 else batches, cache=False))
     mine = torch.utils.data.Subset(_Samples(), range(rank, 2 * GLOBAL, WORLD))
-    seen["datasets"] = _timed(lambda: run(bert(), data=mine, batch_size=GLOBAL, cache=False))
+    seen["datasets"] = timed(lambda: run(bert(), data=mine, batch_size=GLOBAL, cache=False))
 
     # 14. An error at each phase of a run on rank 1 (the budget is large: nothing runs out of memory).
     seen["phases"] = {}
     for name, kw in _phase_faults(rank, batches[:2]):
         with autofit.simulate_gpu("64MiB"):
-            seen["phases"][name] = _timed(lambda: run(**{"model": bert(), "cache": False, **kw}))
+            seen["phases"][name] = timed(lambda: run(**{"model": bert(), "cache": False, **kw}))
 
     # 15. A layer that communicates in forward.
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
-    seen["syncbn"] = _timed(lambda: run(_SyncBNNet(), data=data, cache=False))
+    seen["syncbn"] = timed(lambda: run(_SyncBNNet(), data=data, cache=False))
 
     # 16. No plan fits rank 1's budget: rank 1 says so, naming its own device and budget.
     from reference import model_bytes
     tiny = int(model_bytes(bert()) * 1.5)
     seen["tiny"] = {"budget": tiny}
     with autofit.simulate_gpu("64MiB" if rank == 0 else tiny):
-        seen["tiny"].update(_timed(lambda: run(bert(), capacity_check=True, cache=False)))
+        seen["tiny"].update(timed(lambda: run(bert(), capacity_check=True, cache=False)))
 
     # 17. Evaluation: each rank evaluates its share of eval_data (a list of batches, a Dataset).
     model, evaluated = bert(), []
@@ -294,7 +271,7 @@ def _worker(rank, init_file, out_dir, budgets, ddp_buckets):
             result = run(model, data=batches[:2], eval_data=batches[:1], cache=False)
             return [a[:3] for a in _attempts(result)], gpu.allocation_count
     _, count = faulted(None)
-    seen["faults"] = [_timed(lambda: faulted(count * k // FAULTS if rank == 1 else None)[0])
+    seen["faults"] = [timed(lambda: faulted(count * k // FAULTS if rank == 1 else None)[0])
                       for k in range(FAULTS)]
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

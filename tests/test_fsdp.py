@@ -91,10 +91,9 @@ def test_the_cache_key_holds_the_world_size_and_the_sharding():
 # -- two gloo ranks -----------------------------------------------------------------------------
 import json  # noqa: E402
 import os  # noqa: E402
-import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
-from spawn import Samples, sampler, spawn_ranks  # noqa: E402
+from spawn import FlakyAdamW, Samples, sampler, spawn_ranks, timed  # noqa: E402
 
 WORLD, PER_RANK = 2, 8          # rows of each rank's share; a global batch has 16
 SLOWEST_ERROR_EXIT = 30.0       # seconds; the process group's timeout is 60 s, so a hang would show
@@ -111,28 +110,6 @@ def _sampler(rank, epoch=0):
 
 def _halve(plan):
     return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
-
-
-class _FlakyAdamW(torch.optim.AdamW):
-    """Applies its first update, then runs out of memory: a step that fails half-way."""
-
-    calls = 0
-
-    def step(self, closure=None):
-        super().step(closure)
-        type(self).calls += 1
-        if type(self).calls == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in "
-                                         "the optimizer step)")
-
-
-def _timed(fn):
-    start = time.monotonic()
-    try:
-        value = fn()
-    except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
-        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
-    return {"value": value, "seconds": time.monotonic() - start}
 
 
 def _full(model) -> dict:
@@ -211,7 +188,7 @@ def _worker(rank, init_file, out_dir):
     model = user_sharded()
     batches = cls_batches(2, rows=2 * PER_RANK)
     with autofit.simulate_gpu("8MiB"):
-        result = run(model, batches, optimizer=_FlakyAdamW if rank == 1 else None)
+        result = run(model, batches, optimizer=FlakyAdamW if rank == 1 else None)
     seen["step_oom"] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where, a.error]
                                      for a in result.attempts]}
     saved["step_oom"] = _full(model)
@@ -225,7 +202,7 @@ def _worker(rank, init_file, out_dir):
             raise ValueError("rank 1 cannot compute this loss")
         return model(**batch).loss
     with autofit.simulate_gpu("64MiB"):
-        seen["error"] = _timed(lambda: run(user_sharded(), batches, loss_fn=loss_fn))
+        seen["error"] = timed(lambda: run(user_sharded(), batches, loss_fn=loss_fn))
 
     # 4. shard=True on a plain tiny BERT (the same global batches on both ranks).
     model = bert()
@@ -233,7 +210,7 @@ def _worker(rank, init_file, out_dir):
     seen["shard"] = {"sharded": is_sharded(model), "sharding": sharding(model),
                      "attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in result.attempts]}
     saved["shard"] = _full(model)
-    seen["shard_instance"] = _timed(lambda: run(bert(), batches, shard=True,
+    seen["shard_instance"] = timed(lambda: run(bert(), batches, shard=True,
                                                 optimizer=torch.optim.AdamW(bert().parameters())))
 
     # 5. Per-rank data (DDP-free replicas) where rank 1's share has no label token in the first batch.
@@ -242,7 +219,7 @@ def _worker(rank, init_file, out_dir):
     if rank == 1:
         mine[0]["labels"][:] = -100
     model = gpt2()
-    seen["no_tokens"] = _timed(lambda: [h["samples"] for h in run(model, mine).history])
+    seen["no_tokens"] = timed(lambda: [h["samples"] for h in run(model, mine).history])
     saved["no_tokens"] = _full(model)
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -7,6 +7,7 @@ import torch
 
 import autofit
 import stepper_ranks
+from spawn import spawn_ranks
 from autofit.plans.ladder import checkpointing, offload_optimizer
 from autofit.plans.plan import Plan
 from reference import bert, cls_batches, max_diff, model_bytes, second_step_peak, storage_bytes
@@ -245,20 +246,8 @@ def test_run_clips_the_global_gradient_and_reports_its_norm():
 # -- torch.distributed: two gloo ranks, the same lockstep as run ----------------------------------
 
 def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduced_gradient(tmp_path):
-    import time
-    context = torch.multiprocessing.get_context("spawn")
-    procs = [context.Process(target=stepper_ranks.worker, args=(r, str(tmp_path / "init"), str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 180
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    codes, killed = spawn_ranks(stepper_ranks.worker, lambda r: (r, str(tmp_path / "init"), str(tmp_path)), 2, 180)
+    assert codes == [0, 0] and not killed
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0] == seen[1]  # the same attempts, losses and norms on both ranks
     assert seen[0]["attempts"] == [[0, 4, "oom"], [0, 2, "ok"], [1, 3, "ok"]]  # 4 rows per rank

@@ -131,13 +131,18 @@ def test_every_plan_once_in_order_fastest_cached_and_run_starts_from_it(tiny_ber
     assert PlanCache().get(result.key)["plan"] == result.plan.to_dict()
 
 
-def test_a_plan_that_runs_out_of_memory_is_pruned_after_its_memory_is_freed(tiny_bert, monkeypatch):
+def _optimistic_start(monkeypatch):
+    """The estimator "thinks" the whole batch fits (it still runs, as tune would run it)."""
     real = throughput.estimated_start
 
-    def optimistic(model, batch, *args):  # the estimator "thinks" the whole batch fits
+    def optimistic(model, batch, *args):
         real(model, batch, *args)
         return Plan(ROWS), "estimated (patched)"
     monkeypatch.setattr(throughput, "estimated_start", optimistic)
+
+
+def test_a_plan_that_runs_out_of_memory_is_pruned_after_its_memory_is_freed(tiny_bert, monkeypatch):
+    _optimistic_start(monkeypatch)
     optimizer = torch.optim.AdamW(tiny_bert.parameters())
     with autofit.simulate_gpu(budget()) as gpu:
         gpu.track(list(tiny_bert.parameters()) + list(tiny_bert.buffers()))
@@ -451,12 +456,7 @@ def test_retune_measures_a_stored_study_again_and_reads_the_new_measurement(tiny
 
 
 def test_a_plan_out_of_memory_in_one_round_is_not_measured_again(tiny_bert, monkeypatch):
-    real = throughput.estimated_start
-
-    def optimistic(model, batch, *args):  # the estimator "thinks" the whole batch fits
-        real(model, batch, *args)
-        return Plan(ROWS), "estimated (patched)"
-    monkeypatch.setattr(throughput, "estimated_start", optimistic)
+    _optimistic_start(monkeypatch)
     calls = []
     monkeypatch.setattr(tune_module, "measure", lambda model, opt, device, plan, *a, **k: (
         calls.append(plan.describe()), real_measure(model, opt, device, plan, *a, **k))[1])
