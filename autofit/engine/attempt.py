@@ -24,6 +24,7 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
 from autofit.errors import MemoryNotReleased
+from autofit.gpu import fragmentation
 from autofit.gpu.device import describe_tensors
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom, release, summarize
@@ -69,6 +70,7 @@ class Outcome:
     value: object = None    # what the work returned, when ok
     error: str = ""         # the first line of the OOM message, when not
     found: object = None    # what `inspect(error)` read at the failure, inside the except block
+    fragmentation: object = None  # gpu.fragmentation.measure at the failure (None: not the cache's)
     peak: int = 0           # the attempt's peak, as the caller's `peak()` reads it
     baseline: int = 0       # bytes allocated on the device before the attempt
 
@@ -120,7 +122,9 @@ class Attempter:
         except Exception as error:
             if not self.catches(error):
                 raise
-            failure = (summarize(error), None if inspect is None else inspect(error))
+            # Read while the failed blocks are still held: afterwards the holes are gone.
+            failure = (summarize(error), None if inspect is None else inspect(error),
+                       fragmentation.measure(self.device, error))
         peak_bytes = 0 if peak is None else peak()
         if failure is None:
             return Outcome(True, value, peak=peak_bytes, baseline=baseline)
@@ -130,7 +134,13 @@ class Attempter:
         model, optimizer = self.owner()
         release(self.device, model=model, optimizer=optimizer)
         self.check(baseline, owned)
-        return Outcome(False, error=failure[0], found=failure[1], peak=peak_bytes, baseline=baseline)
+        return Outcome(False, error=failure[0], found=failure[1], fragmentation=failure[2], peak=peak_bytes,
+                       baseline=baseline)
+
+    def fragmented(self, outcome: Outcome) -> str | None:
+        """When the cache's holes caused `outcome`'s failure: empty the cache and return the reason
+        to replay the same work once (gpu/fragmentation); else None."""
+        return fragmentation.retry_reason(self.device, outcome.fragmentation)
 
     def check(self, baseline: int, owned: int | None = None) -> None:
         """MemoryNotReleased when more than `baseline` (plus CUDA's cached workspaces) stays

@@ -18,7 +18,6 @@ from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
 from autofit.errors import DoesNotFit
-from autofit.gpu import fragmentation
 from autofit.gpu.device import _tensors
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.plans.applies import unavailable_changes
@@ -137,16 +136,16 @@ class Controller:
         return outcome
 
     def _at_failure(self, error) -> tuple:
-        """(phase, bytes by kind, the atomic step's bytes at its failure, the allocator's figures for
-        fragmentation.measure), read inside the except block, while the failed blocks are held."""
+        """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
+        block, while the failed blocks are held."""
         where = getattr(self.runner, "phase", "") or (
             "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward")
         at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
         held = by_kind(self.device, self.model, self.runner.optimizer)
-        return where, held, at_failure, fragmentation.measure(self.device, error)
+        return where, held, at_failure
 
     def _breakdown(self, outcome) -> tuple[str, dict]:
-        where, memory, at_failure, _ = outcome.found
+        where, memory, at_failure = outcome.found
         # Held before the attempt but neither weights nor this optimizer's state: a previous
         # phase's optimizer, batches parked on the device, tensors kept across steps.
         # The global batch autofit read onto the device is not the user's to free.
@@ -172,8 +171,7 @@ class Controller:
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        found = outcome.found[3]
-        why = None if (step, plan) in self._retried else fragmentation.retry_reason(self.device, found)
+        why = None if (step, plan) in self._retried else self.attempter.fragmented(outcome)
         if why:
             self._retried.add((step, plan))
             self.next_plan, self.reason = plan, why

@@ -40,7 +40,6 @@ import torch
 from autofit.engine.attempt import Attempter, until_fits
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import slice_batch, token_counter
-from autofit.gpu import fragmentation
 from autofit.gpu.device import open_device
 from autofit.recipes.eval_data import check_arguments, check_data, check_structure, is_map_dataset, units
 from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer  # noqa: F401  (their public path)
@@ -160,14 +159,13 @@ class _Evaluator:
                 budget=self.device.budget)
         self.device.reset_peak_memory_stats()
         return self.attempter(lambda: self.forward(slice_batch(unit, pos, pos + size), index, first, size)
-                              + (size,), inspect=lambda error: fragmentation.measure(self.device, error),
-                              peak=self.device.max_memory_allocated)
+                              + (size,), peak=self.device.max_memory_allocated)
 
     def after_oom(self, outcome, index: int, first: int) -> bool:
         size = self.trying
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
         key = (index, first, size)  # as in training: the cache's holes replay the same size once
-        if key not in self._retried and (why := fragmentation.retry_reason(self.device, outcome.found)):
+        if key not in self._retried and (why := self.attempter.fragmented(outcome)):
             self._retried.add(key)
             self.reason = why
             return True
