@@ -276,14 +276,18 @@ PyMODINIT_FUNC PyInit_autofit_native_alloc(void) { return PyModule_Create(&modul
 # -- building -------------------------------------------------------------------------------------
 
 def missing_tools() -> list[str]:
-    """What load_inline needs and this machine lacks (a C++ compiler, ninja)."""
+    """What load_inline needs and this machine lacks: the C++ compiler it calls ($CXX, else c++),
+    ninja, Python's headers."""
+    import sysconfig
     cxx = os.environ.get("CXX", "c++")
-    missing = [] if shutil.which(cxx) or shutil.which("g++") else [f"a C++ compiler ({cxx})"]
+    missing = [] if shutil.which(cxx) else [f"C++ compiler ({cxx!r} not on PATH; set CXX)"]
     try:
         from torch.utils.cpp_extension import verify_ninja_availability
         verify_ninja_availability()
     except Exception:
         missing.append("ninja")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        missing.append("Python.h (the python3-dev headers)")
     return missing
 
 
@@ -496,6 +500,33 @@ def check_threads(native, batches) -> list[list]:
     rows.append(["a Python thread's allocation: this thread only / all threads",
                  f"{seen[False]} / {seen[True]} counted (the other thread's flag: "
                  f"{seen['stats']['this_thread']})"])
+    return rows
+
+
+def check_storages(native) -> list[list]:
+    """Memory that reaches a tensor other than as an op's new output: counted by each mechanism."""
+    import numpy as np
+    cases = {
+        "torch.UntypedStorage(4096) from Python": lambda old: torch.UntypedStorage(4096),
+        "torch.from_numpy (numpy's memory)": lambda old: torch.from_numpy(np.ones(1024, np.float32)),
+        "resize_ of a storage made before, to 64 KiB": lambda old: old.resize_(1 << 16),
+        "resize_ of a storage made inside, to 64 KiB": lambda old: torch.empty(0).untyped_storage()
+        .resize_(1 << 16),
+        "torch.tensor([1.0] * 1024) from a Python list": lambda old: torch.tensor([1.0] * 1024),
+    }
+    rows = []
+    for name, make in cases.items():
+        old = torch.empty(0).untyped_storage()  # made before: keeps the default allocator
+        with counting(native):
+            kept = make(old)  # noqa: F841 (alive while the counter is read)
+            by_allocator = native.stats()["total"]
+            del kept
+        old = torch.empty(0).untyped_storage()
+        with autofit.simulate_gpu() as gpu:
+            kept = make(old)
+            by_mode = gpu.memory_allocated()
+            del kept
+        rows.append([name, f"allocator {by_allocator} B, simulate_gpu() {by_mode} B"])
     return rows
 
 
@@ -716,14 +747,19 @@ def main(argv=None) -> int:
     print_environment("counting through the CPU allocator: a prototype")
     missing = missing_tools()
     if missing:
-        print(f"SKIPPED: no {' and no '.join(missing)} on this machine; the prototype needs them "
-              f"to build (torch.utils.cpp_extension.load_inline). Nothing was measured.")
+        print(f"SKIPPED: missing on this machine: {'; '.join(missing)}. The prototype is built "
+              f"with torch.utils.cpp_extension.load_inline; nothing was measured.")
         return 0
     started = time.perf_counter()
     directory = tempfile.mkdtemp(prefix="autofit-native-alloc-") if args.cold else build_dir()
     cold = not os.path.exists(os.path.join(directory, f"{NAME}.so"))
     t0 = time.perf_counter()
-    native = load(directory)
+    try:
+        native = load(directory)
+    except Exception as e:  # noqa: BLE001 (a compiler that cannot build it: say why, measure nothing)
+        print(f"SKIPPED: the extension did not build in {directory}: {type(e).__name__}: "
+              f"{str(e)[-600:]}")
+        return 0
     first = time.perf_counter() - t0
     cached = cached_load_seconds(directory)
     print("Table 1. compile (load_inline, Python.h + c10/core/CPUAllocator.h + "
@@ -736,7 +772,7 @@ def main(argv=None) -> int:
 
     batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
     checks = (check_oom(native) + check_swaps(native, directory) + check_lifetimes(native)
-              + check_threads(native, batches) + check_workers(native))
+              + check_storages(native) + check_threads(native, batches) + check_workers(native))
     hidden, peaks = check_hidden(native, batches)
     lm_hidden, lm_peaks = check_hidden(native, lm_batches(4, rows=BATCH, seq=SEQ, vocab=VOCAB),
                                        lambda: gpt2(hidden=128, layers=2, seq=SEQ, vocab=VOCAB), 3)
