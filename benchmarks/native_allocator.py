@@ -525,7 +525,7 @@ def check_storages(native) -> list[list]:
     import numpy as np
     cases = {
         "torch.UntypedStorage(4096) from Python": lambda old: torch.UntypedStorage(4096),
-        "torch.from_numpy (numpy's memory)": lambda old: torch.from_numpy(np.ones(1024, np.float32)),
+        "torch.from_numpy (numpy's memory)": lambda old: torch.from_numpy(np.ones(1024)),
         "resize_ of a storage made before, to 64 KiB": lambda old: old.resize_(1 << 16),
         "resize_ of a storage made inside, to 64 KiB": lambda old: torch.empty(0).untyped_storage()
         .resize_(1 << 16),
@@ -782,7 +782,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         native = load(directory)
-    except Exception as e:  # noqa: BLE001 (a compiler that cannot build it: say why, measure nothing)
+    except Exception as e:  # noqa: BLE001 (a compiler that cannot build it: say why, stop)
         print(f"SKIPPED: the extension did not build in {directory}: {type(e).__name__}: "
               f"{str(e)[-600:]}")
         return 0
