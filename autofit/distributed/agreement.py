@@ -21,6 +21,7 @@ PHASES = ("at the start of the run", "agreeing on the budget", "choosing the sta
           "in evaluation", "counting the global batch")
 FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
 MESSAGE_BYTES = 1024
+_SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
 
 
 def plan_hash(plan: Plan | None) -> int:
@@ -116,7 +117,13 @@ class Agreement:
             raise ValueError(f"the DDP process group is a {backend} subgroup; autofit's agreement needs "
                              f"gloo on it. Initialise with backend='cpu:gloo,cuda:nccl' or use the "
                              f"whole world.")
-        return dist.new_group(backend="gloo")
+        # One per process, kept for later runs: creating a group is itself a collective, and a
+        # second run's creation hung for good after rank 0 alone had run a sharded capacity check.
+        world = dist.distributed_c10d._world
+        kept = _SEPARATE.get(id(world.default_pg))
+        if kept is None or kept not in world.pg_map:  # none yet, or its world was destroyed
+            kept = _SEPARATE[id(world.default_pg)] = dist.new_group(backend="gloo")
+        return kept
 
     # -- agreements ----------------------------------------------------------------------------
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -161,9 +161,16 @@ class Sharded:
             state._comm_ctx.all_gather_state = None
             state._state_ctx.iter_forward_root = None
             state._state_ctx.post_backward_final_callback_queued = False
+            # The order units finished forward in, which FSDP's backward prefetch follows: the
+            # failed attempt's would differ between ranks (each stopped elsewhere) and make one
+            # rank gather a unit the others do not. Cleared, as FSDP's own reset_iter_state does.
+            state._comm_ctx.post_forward_order.clear()
+            state._comm_ctx.reduce_scatter_states.clear()
+            state._modules_to_run_forward.clear()
             for group in state._fsdp_param_groups:
                 group._training_state = TrainingState.IDLE
                 group._all_gather_result = None
+                group._post_forward_indices.clear()
                 group.reshard()
                 for fp in group.fsdp_params:  # gradients accumulated with sync off: not the replay's
                     fp.unsharded_accumulated_grad = None

@@ -1,0 +1,212 @@
+"""Two gloo ranks training an FSDP2 model, a fault injected on one rank at every phase of its run.
+
+The sibling of distributed_faults.py (DDP-style replicas) for sharded models, where FSDP runs its
+collectives inside forward and backward and autofit holds an agreement before each one
+(autofit.distributed.fsdp_guard). Rank 1 runs `autofit.run(..., shard=True)` on a tiny BERT under a
+simulated GPU and gets, at one position per run:
+- `alloc N`: its N-th allocation raises OOM (`gpu.fail_at(N)`), N sampled over the whole run:
+  sharding, the first agreement, the capacity check, each unit's forward gather, the backward
+  gathers and reduce-scatters, the end-of-backward callback, the optimizer step on shards, the end;
+- `<where> k`: a ValueError at the k-th call of the loss function, of a block's forward pre-hook or
+  backward pre-hook, of the optimizer's step or of the scheduler's step, every k of a clean run.
+Rank 0 runs the same job with no fault. Each position must end on both ranks within seconds as
+- `recovered`: both finished with the same attempts, an OOM among them (replayed);
+- `unaffected`: both finished, no OOM (the fault hit nothing the run still needed);
+- `announced`: rank 1 raised its own error, rank 0 `RankFailed` naming it.
+Anything else (another error, a slow end, a process killed by a signal) is FAILED. The process
+group's timeout is 20 s, so a hang shows as a slow position.
+
+    python benchmarks/fsdp_faults.py [--positions 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import common  # noqa: F401  (puts the checkout on sys.path)
+import torch
+
+from autofit.diagnosis.report import table
+
+WORLD = 2
+LIMIT_S = 10.0  # how much longer than a clean run a position may take to end, on both ranks
+ERRORS = ("loss", "forward", "backward", "step", "scheduler")
+
+
+def _model():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=100, max_position_embeddings=64, num_labels=3)
+    return BertForSequenceClassification(cfg)  # dropout on, buffers (position ids) present
+
+
+def _batches(n, rows=16, seq=12):
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, 100, (rows, seq), generator=g),
+             "labels": torch.randint(0, 3, (rows,), generator=g)} for _ in range(n)]
+
+
+class _Fault:
+    """A ValueError at the k-th call of one place (`where`); counts the calls of every place."""
+
+    def __init__(self, where=None, k=None):
+        self.where, self.k = where, k
+        self.calls = dict.fromkeys(ERRORS, 0)
+
+    def __call__(self, where):
+        self.calls[where] += 1
+        if where == self.where and self.calls[where] == self.k:
+            raise ValueError(f"injected at call {self.k} of {where}")
+
+
+def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
+    """One run of the sharded job with `fault`'s places armed and, when given, allocation `fail_at`
+    failing. Returns (RunResult, allocations made)."""
+    import autofit
+    data, model = _batches(batches), _model()
+    block = model.bert.encoder.layer[1]
+    block.register_forward_pre_hook(lambda m, a: fault("forward"))
+    block.register_full_backward_pre_hook(lambda m, g: fault("backward"))
+
+    def loss_fn(model, batch):
+        fault("loss")
+        return model(**batch).loss
+
+    class optimizer(torch.optim.AdamW):
+        def step(self, closure=None):
+            fault("step")
+            return super().step(closure)
+
+    def scheduler(opt):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        step = sched.step
+
+        def checked(*a, **k):  # installed after the constructor's own first step
+            fault("scheduler")
+            return step(*a, **k)
+        sched.step = checked
+        return sched
+    with autofit.simulate_gpu(budget) as gpu:
+        if fail_at is not None:
+            gpu.fail_at(fail_at)
+        result = autofit.run(model, data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
+                             precision="fp32", progress=False, cache=False, shard=True)
+        return result, gpu.allocation_count
+
+
+def _attempt(position, injected: bool) -> dict:
+    kind, n = position
+    start = time.monotonic()
+    fault = _Fault(kind, n) if injected and kind != "alloc" else _Fault()
+    try:
+        result, _ = job(fault, n if injected and kind == "alloc" else None)
+        row = {"outcome": "ok", "attempts": [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]}
+    except Exception as error:  # noqa: BLE001 - which error each rank got is the measurement
+        row = {"outcome": type(error).__name__, "message": str(error)[:200]}
+    row["seconds"] = time.monotonic() - start
+    return row
+
+
+def _worker(rank, init_file, out_dir, positions):
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.getLogger("autofit").setLevel(logging.ERROR)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=20))
+    start = time.monotonic()
+    fault = _Fault()
+    clean, count = job(fault)
+    out = {"clean_seconds": time.monotonic() - start, "allocations": count, "calls": fault.calls,
+           "clean": [(a.step, a.plan.micro_batch_size, a.outcome) for a in clean.attempts], "rows": []}
+    for position in positions:
+        row = {"at": position, **_attempt(position, injected=rank == 1)}
+        out["rows"].append(row)
+        print(f"rank {rank} {position}: {row['outcome']} {row['seconds']:.1f} s {row.get('message', '')[:90]}",
+              file=sys.stderr, flush=True)
+        if row["seconds"] > out["clean_seconds"] + 2 * LIMIT_S:
+            break  # the group is probably broken; the parent reports it
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def spawn(positions, limit_s=1800):
+    out = tempfile.mkdtemp(prefix="autofit-fsdp-faults-")
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, os.path.join(out, "init"), out, positions))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if codes != [0, 0]:
+        sys.exit(f"ranks ended with exit codes {codes} (negative: killed by that signal)")
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
+
+
+def classify(a: dict, b: dict, allowed: float) -> str:
+    """recovered / unaffected / announced / FAILED for rank 0's row `a` and rank 1's row `b`."""
+    slow = max(a["seconds"], b["seconds"]) > allowed
+    injected = "OutOfMemoryError" if b["at"][0] == "alloc" else "ValueError"
+    if slow:
+        return "FAILED"
+    if a["outcome"] == b["outcome"] == "ok" and a["attempts"] == b["attempts"]:
+        return "recovered" if any(o == "oom" for *_, o in b["attempts"]) else "unaffected"
+    if b["outcome"] == injected and a["outcome"] == "RankFailed":
+        return "announced"
+    return "FAILED"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--positions", type=int, default=60, help="allocations sampled (evenly)")
+    args = parser.parse_args(argv)
+
+    clean = spawn([])[1]  # how many allocations and calls a clean run makes on rank 1
+    total, calls = clean["allocations"], clean["calls"]
+    step = max(total // args.positions, 1)
+    positions = [("alloc", n) for n in range(0, total + step, step)]
+    positions += [(where, k) for where in ERRORS for k in range(1, calls[where] + 2)]
+    r0, r1 = spawn(positions)
+    allowed = max(r0["clean_seconds"], r1["clean_seconds"]) + LIMIT_S
+    verdicts, failures = {}, []
+    for a, b in zip(r0["rows"], r1["rows"]):
+        kind = classify(a, b, allowed)
+        phase = "allocation" if b["at"][0] == "alloc" else f"ValueError in {b['at'][0]}"
+        verdicts.setdefault(phase, {}).setdefault(kind, 0)
+        verdicts[phase][kind] += 1
+        if kind == "FAILED":
+            failures.append((b["at"], a, b))
+    seconds = max(max(r["seconds"] for r in r0["rows"]), max(r["seconds"] for r in r1["rows"]))
+    print(table(["allocations in a clean run", "calls (loss, forward, backward, step, scheduler)",
+                 "clean run (s)", "positions tried", "slowest end (s)"],
+                [[r1["allocations"], ", ".join(str(r1["calls"][w]) for w in ERRORS),
+                  f"{r1['clean_seconds']:.2f}", len(r1["rows"]), f"{seconds:.2f}"]]))
+    kinds = ["recovered", "unaffected", "announced", "FAILED"]
+    print(table(["fault on rank 1"] + kinds, [[phase] + [v.get(k, 0) for k in kinds]
+                                              for phase, v in verdicts.items()]))
+    for at, a, b in failures[:12]:
+        print(f"FAILED at {at}: rank 0 {a['outcome']} {a.get('message', '')!r} {a.get('attempts')} "
+              f"{a['seconds']:.1f} s; rank 1 {b['outcome']} {b.get('message', '')!r} {b.get('attempts')} "
+              f"{b['seconds']:.1f} s")
+    return 1 if failures or len(r1["rows"]) < len(r0["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
