@@ -59,9 +59,13 @@ class _Fault:
     def __init__(self, where=None, k=None):
         self.where, self.k = where, k
         self.calls = dict.fromkeys(ERRORS, 0)
+        self.marks = {w: [] for w in ERRORS}  # the simulated GPU's allocation count at each call
+        self.gpu = None
 
     def __call__(self, where):
         self.calls[where] += 1
+        if self.gpu is not None:
+            self.marks[where].append(self.gpu.allocation_count)
         if where == self.where and self.calls[where] == self.k:
             raise ValueError(f"injected at call {self.k} of {where}")
 
@@ -94,6 +98,7 @@ def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
         sched.step = checked
         return sched
     with autofit.simulate_gpu(budget) as gpu:
+        fault.gpu = gpu
         if fail_at is not None:
             gpu.fail_at(fail_at)
         result = autofit.run(model, data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
@@ -101,12 +106,12 @@ def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
         return result, gpu.allocation_count
 
 
-def _attempt(position, injected: bool) -> dict:
+def _attempt(position, injected: bool, **options) -> dict:
     kind, n = position
     start = time.monotonic()
     fault = _Fault(kind, n) if injected and kind != "alloc" else _Fault()
     try:
-        result, _ = job(fault, n if injected and kind == "alloc" else None)
+        result, _ = job(fault, n if injected and kind == "alloc" else None, **options)
         row = {"outcome": "ok", "attempts": [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]}
     except Exception as error:  # noqa: BLE001 - which error each rank got is the measurement
         row = {"outcome": type(error).__name__, "message": str(error)[:200]}

@@ -164,8 +164,8 @@ class Sharded:
             # The order units finished forward in, which FSDP's backward prefetch follows: the
             # failed attempt's would differ between ranks (each stopped elsewhere) and make one
             # rank gather a unit the others do not. Cleared, as FSDP's own reset_iter_state does.
-            state._comm_ctx.post_forward_order.clear()
-            state._comm_ctx.reduce_scatter_states.clear()
+            for name in ("post_forward_order", "reduce_scatter_states"):  # made at FSDP's lazy init
+                getattr(state._comm_ctx, name, []).clear()
             state._modules_to_run_forward.clear()
             for group in state._fsdp_param_groups:
                 group._training_state = TrainingState.IDLE
