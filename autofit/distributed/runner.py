@@ -25,6 +25,11 @@ class DistributedStepRunner(StepRunner):
         # every micro-batch's forward and backward, so there none may be skipped.
         self.skip_empty = lockstep.sharded is None
 
+    def prepare(self, plan) -> None:
+        super().prepare(plan)
+        if self.lockstep.sharded is not None:  # the plan's FSDP settings, on every rank alike
+            self.lockstep.sharded.prepare(plan)
+
     def abandon(self) -> None:
         super().abandon()
         if self.lockstep.sharded is not None:

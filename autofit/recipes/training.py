@@ -23,14 +23,14 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
-from autofit.distributed.fsdp import is_sharded, shard as shard_model
+from autofit.distributed.fsdp import is_sharded, shard as shard_model, user_reshard_after_forward
 from autofit.distributed.local import Local
 from autofit.distributed.lockstep import open_lockstep
 from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
-from autofit.plans.ladder import SizeLog, as_move
+from autofit.plans.ladder import SizeLog, as_move, sharded as sharded_ladder
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
@@ -160,8 +160,13 @@ class Training:
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
+        if lockstep.sharded is not None and start.reshard_after_forward is None:
+            # FSDP2's setting made explicit (the model's own), so the ladder can step from it
+            start = start.replace(reshard_after_forward=user_reshard_after_forward(model))
         start, reason = self.coupling.start(start, reason, first_rows)
         moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
+        if lockstep.sharded is not None and self.user_ladder is None:
+            moves = sharded_ladder(moves)  # FSDP2's own moves first
         weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
                                    probe=lockstep.sharded is None)
         count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
