@@ -132,3 +132,157 @@ def test_the_capacity_check_picks_the_fastest_fsdp_setting_that_fits():
     priced = {c.plan for c in rank(model, batch, peak["8F"], precision="fp32", estimator=user,
                                    device_type="cpu", sharding=Sharding(WORLD))}
     assert priced and all(p.reshard_after_forward is True for p in priced)
+
+
+# -- two gloo ranks: one spawned scenario ------------------------------------------------------------
+
+def _full(model) -> dict:
+    """The whole parameters (every rank's shards gathered: a collective, run on every rank)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _user_sharded(reshard: bool):
+    from torch.distributed.fsdp import fully_shard
+    model = bert(hidden=64)
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def _second_step_peak(plan, batch) -> int:
+    """This rank's peak of a second global step under `plan`, trained as autofit trains a sharded
+    model (FSDP's switches set by the plan), on a fresh simulated GPU."""
+    import autofit
+    from autofit.distributed.fsdp import Sharded
+    from autofit.engine.step import StepRunner
+    from autofit.gpu.device import SimulatedDevice
+    with autofit.simulate_gpu() as gpu:
+        model = _user_sharded(False)
+        device = SimulatedDevice(gpu)
+        switches = Sharded(model)
+        switches.prepare(plan)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device, sync=switches.sync)
+        runner.run(batch, plan)
+        runner.run(batch, plan)
+        peak = runner.attempt_peak()
+        runner.close()
+        switches.close()
+    return peak
+
+
+def _worker(rank_, init_file, out_dir):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    import autofit
+    from autofit.distributed.fsdp import reshard_choices, user_reshard_after_forward
+
+    def run(model, data, **kw):
+        return autofit.run(model, data, **{"precision": "fp32", "progress": False, "cache": False, **kw})
+
+    def attempts(result):
+        return [[a.step, a.plan.micro_batch_size, a.plan.accumulation_steps, a.plan.reshard_after_forward,
+                 a.plan.reduce_each_micro_batch, a.outcome] for a in result.attempts]
+    seen, saved = {}, {}
+    batches = cls_batches(2, rows=2 * PER_RANK, seed=4)
+
+    # 1. The user sharded with reshard_after_forward=False; rank 1's budget lies between the second
+    # step's peaks of 8 x 2 resharding (fails) and 8 x 2 with a reduce-scatter per micro-batch
+    # (fits), each measured on this rank first; rank 0's is large. Both ranks walk one plan sequence.
+    big = cls_batches(2, rows=4 * PER_RANK, seed=4)
+    share = {k: v[rank_ * 2 * PER_RANK:(rank_ + 1) * 2 * PER_RANK] for k, v in big[0].items()}
+    fails = _second_step_peak(Plan(8, 2, reshard_after_forward=True), share)
+    fits = _second_step_peak(Plan(8, 2, reshard_after_forward=True, reduce_each_micro_batch=True), share)
+    with autofit.simulate_gpu("256MiB" if rank_ == 0 else (fails + fits) // 2):
+        model = _user_sharded(False)
+        result = run(model, big, capacity_check=False)
+        seen["budgets"] = {"attempts": attempts(result), "fails": fails, "fits": fits,
+                           "why": [a.reason for a in result.attempts],
+                           "errors": [a.error[:40] for a in result.attempts if a.outcome == "oom"],
+                           "micro": [h["plan"].micro_batch_size for h in result.history],
+                           # handed back as the user sharded it
+                           "after": [user_reshard_after_forward(model), [
+                               g.post_forward_mesh_info is None for u in (model.bert.encoder.layer[0], model)
+                               for g in u._get_fsdp_state()._fsdp_param_groups]]}
+        saved["budgets"] = _full(model)
+    mine = {k: v[rank_ * PER_RANK:(rank_ + 1) * PER_RANK] for k, v in batches[0].items()}
+
+    # 2. shard=True: the capacity check prices FSDP's settings for the model autofit sharded; with
+    # room it keeps gathered parameters, with a budget below that plan's predicted peak it reshards.
+    from autofit.estimator.sharded import estimate_sharded
+    kept = estimate_sharded(bert(hidden=64), WORLD, Plan(8, reshard_after_forward=False), mine,
+                            device_type="cpu").peak_bytes
+    for name, budget in (("roomy", "256MiB"), ("tight", kept - 1)):
+        with autofit.simulate_gpu(budget):
+            model = bert(hidden=64)
+            result = run(model, batches, shard=True, optimizer=torch.optim.AdamW)
+            seen[name] = {"attempts": attempts(result), "choices": list(reshard_choices(model)),
+                          "reason": result.attempts[0].reason}
+            saved[name] = _full(model)
+
+    # 3. A user model sharded with True: never a plan that keeps gathered parameters.
+    model = _user_sharded(True)
+    from autofit.plans.applies import not_applicable
+    from autofit.gpu.device import CpuDevice
+    opt = torch.optim.AdamW(model.parameters())
+    seen["user_true"] = {"choices": list(reshard_choices(model)), "refused": not_applicable(
+        Plan(8, reshard_after_forward=False), model, opt, CpuDevice())}
+
+    with open(os.path.join(out_dir, f"rank{rank_}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.save(saved, os.path.join(out_dir, f"params{rank_}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_moves")
+    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out)), WORLD, PROCESS_TIMEOUT)
+    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
+    assert codes == [0] * WORLD, f"exit codes {codes}"
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
+    return seen, params
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_fsdp_moves_on_two_ranks(ranks):
+    (r0, r1), (p0, p1) = ranks
+    for seen in (r0, r1):
+        # [step, micro-batch, accumulation, reshard_after_forward, reduce-scatter each, outcome]
+        assert seen["budgets"]["attempts"] == [
+            [0, 16, 1, False, False, "oom"],  # the user's setting first
+            [0, 16, 1, True, False, "oom"],   # FSDP's cheapest move
+            [0, 8, 2, True, False, "ok"],     # one micro-batch: no reduce-scatter move, the split
+            [1, 12, 2, True, False, "oom"],   # the upward probe
+            [1, 8, 2, True, False, "oom"],    # the optimizer state now exists
+            [1, 8, 2, True, True, "ok"]]      # a reduce-scatter per micro-batch before a smaller one
+        assert seen["budgets"]["why"][1] == ("FSDP2 frees each unit's gathered parameters after forward "
+                                             "and gathers them again in backward")
+        assert seen["budgets"]["why"][5] == ("FSDP2 reduce-scatters each micro-batch's gradients into the "
+                                             "shards instead of keeping them unsharded until the last")
+        # handed back as the user sharded it: blocks and root keep their gathered parameters
+        assert seen["budgets"]["after"] == [False, [True, True]]
+        # shard=True: the capacity check keeps gathered parameters when they fit, else reshards
+        assert seen["roomy"]["choices"] == [False, True]
+        assert seen["roomy"]["attempts"] == [[0, 8, 1, False, False, "ok"], [1, 8, 1, False, False, "ok"]]
+        assert seen["tight"]["attempts"] == [[0, 8, 1, True, False, "ok"], [1, 8, 1, True, False, "ok"]]
+        assert seen["tight"]["reason"].startswith("estimated: fastest plan predicted to fit")
+        # the user's reshard_after_forward=True is never made more expensive
+        assert seen["user_true"] == {"choices": [True], "refused": (
+            "FSDPBertForSequenceClassification was sharded with reshard_after_forward=True; autofit "
+            "never keeps more gathered than you chose (shard it with False to allow it)")}
+    assert all(e.startswith("out of memory on another rank (rank 1") for e in r0["budgets"]["errors"])
+    assert all(e.startswith("CUDA out of memory") for e in r1["budgets"]["errors"])  # its own
+    # the same mathematics: every setting, on both ranks, equals one process with the same splits
+    for name, data in (("budgets", cls_batches(2, rows=4 * PER_RANK, seed=4)),
+                       ("roomy", cls_batches(2, rows=2 * PER_RANK, seed=4)),
+                       ("tight", cls_batches(2, rows=2 * PER_RANK, seed=4))):
+        assert _max_diff(p0[name], p1[name]) == 0
+        assert _max_diff(p0[name], plain_loop(bert(hidden=64), data, [8, 8]).state_dict()) <= 1e-5, name

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -133,15 +134,25 @@ def _precision_of(dtype: torch.dtype) -> str:
 
 # -- the fake world ------------------------------------------------------------------------------
 
+_FAKE_NAMES = itertools.count(1)
+
+
 @contextlib.contextmanager
 def _entered(world):
-    """torch.distributed's world is `world` inside (the caller's, if any, is put back after)."""
+    """torch.distributed's world is `world` inside (the caller's, if any, is put back after).
+    The count that names new process groups is module-global in c10d, not the world's: the fake
+    world counts from a base of its own, far from the caller's, and the caller's count is put back,
+    so a rank that estimated names its next group as the ranks that did not (else the others wait
+    for it in `new_group` for ever) and no fake group's name is taken twice."""
     import torch.distributed.distributed_c10d as c10d
     saved, c10d._world = c10d._world, world
+    saved_count = c10d._group_count
+    c10d._group_count = getattr(world, "autofit_group_count", None) or next(_FAKE_NAMES) * 10**9
     try:
         yield
     finally:
-        c10d._world = saved
+        world.autofit_group_count = c10d._group_count
+        c10d._world, c10d._group_count = saved, saved_count
 
 
 def _fake_world(world_size: int):
