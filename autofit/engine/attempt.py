@@ -137,10 +137,18 @@ class Attempter:
         return Outcome(False, error=failure[0], found=failure[1], fragmentation=failure[2], peak=peak_bytes,
                        baseline=baseline)
 
-    def fragmented(self, outcome: Outcome) -> str | None:
+    def fragmented(self, outcome: Outcome, key=None, replayed: set | None = None) -> str | None:
         """When the cache's holes caused `outcome`'s failure: empty the cache and return the reason
-        to replay the same work once (gpu/fragmentation); else None."""
-        return fragmentation.retry_reason(self.device, outcome.fragmentation)
+        to replay the same work (gpu/fragmentation); else None. `replayed`: the keys (a global
+        batch and plan, an evaluation batch and size) already given their one replay; `key` gets
+        None when it is in there, and is added when a replay is given now. The replay is no
+        verdict on the plan: callers record nothing about its size."""
+        if replayed is not None and key in replayed:
+            return None
+        why = fragmentation.retry_reason(self.device, outcome.fragmentation)
+        if why and replayed is not None:
+            replayed.add(key)
+        return why
 
     def check(self, baseline: int, owned: int | None = None) -> None:
         """MemoryNotReleased when more than `baseline` (plus CUDA's cached workspaces) stays

@@ -205,8 +205,7 @@ class _Evaluator:
         size, index, first = self.trying, cursor.index, cursor.first + cursor.pos
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
         key = (index, first, size)  # as in training: the cache's holes replay the same size once
-        if key not in self._retried and (why := self.attempter.fragmented(outcome)):
-            self._retried.add(key)
+        if why := self.attempter.fragmented(outcome, key, self._retried):
             self.reason = why
             return True
         new = self.sizer.oom(size)
