@@ -73,6 +73,32 @@ def _token_loss(model, batch, num_items_in_batch):
                                              ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
+def test_the_stepper_evaluates_a_sharded_model_after_its_first_step(tmp_path):
+    """In a group of one: before the first step the ranks have not met (no agreement yet), so
+    step.evaluate says to step first, the same on every rank; after it, it evaluates as
+    autofit.evaluate does the same weights unsharded."""
+    import torch.distributed as dist
+    import autofit
+    from reference import bert, cls_batches
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model = bert()
+        with autofit.stepper(model, torch.optim.AdamW, shard=True, precision="fp32", cache=False) as step:
+            with pytest.raises(ValueError, match=r"call step\(batch\) once before step.evaluate"):
+                step.evaluate(_eval_batches())
+            step(cls_batches(1, rows=4)[0])
+            done = step.evaluate(_eval_batches(), metric_fn=_accuracy)
+        weights = _full(model)
+    finally:
+        dist.destroy_process_group()
+    plain = bert()
+    plain.load_state_dict(weights)
+    alone = autofit.evaluate(plain, _eval_batches(), metric_fn=_accuracy)
+    assert done.samples == alone.samples == sum(EVAL_ROWS)
+    assert abs(done.loss - alone.loss) <= 1e-6
+    assert done.metrics == pytest.approx(alone.metrics, abs=1e-6)
+
+
 def _worker(rank, init_file, out_dir):
     os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
     torch.set_num_threads(1)
