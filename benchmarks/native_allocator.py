@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import os
 import shutil
@@ -54,6 +55,7 @@ NAME = "autofit_native_alloc"
 # no torch/extension.h, which is most of a cold build's time.
 SOURCE = r"""
 #include <Python.h>
+#include <pthread.h>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +83,7 @@ PyObject* g_on_alloc = nullptr;          // (ptr, nbytes) -> None | str (an OOM 
 PyObject* g_on_free = nullptr;           // (ptr) -> None
 c10::Allocator* g_inner = nullptr;       // the allocator we wrap (the default CPU one)
 c10::DeleterFnPtr g_inner_delete = nullptr;
+std::atomic<bool> g_off_in_children{false};  // a forked child (DataLoader worker) stops counting
 
 int64_t rounded(size_t n) { return static_cast<int64_t>((n + 511) / 512 * 512); }
 
@@ -175,10 +178,18 @@ struct CountingAllocator final : c10::Allocator {
 
 CountingAllocator g_counting;  // static lifetime: storages keep a pointer to their allocator
 
+void in_child() {  // pthread_atfork: runs in the child, on the thread that forked
+  if (g_off_in_children.load()) {
+    g_session = 0;
+    t_on = false;
+  }
+}
+
 PyObject* install(PyObject*, PyObject* arg) {
   long priority = PyLong_AsLong(arg);
   if (priority == -1 && PyErr_Occurred()) return nullptr;
   if (g_inner == nullptr) {
+    pthread_atfork(nullptr, nullptr, &in_child);
     g_inner = c10::GetCPUAllocator();
     g_inner_delete = g_inner->raw_deleter();
     if (g_inner_delete == nullptr) {
@@ -240,6 +251,11 @@ PyObject* callbacks(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* off_in_children(PyObject*, PyObject* arg) {
+  g_off_in_children = PyObject_IsTrue(arg) == 1;
+  Py_RETURN_NONE;
+}
+
 PyObject* fail_at(PyObject*, PyObject* arg) {
   g_fail_at = PyLong_AsLongLong(arg);
   if (g_fail_at == -1 && PyErr_Occurred()) return nullptr;
@@ -262,6 +278,7 @@ PyMethodDef methods[] = {
     {"enable", enable, METH_O, "count this thread's allocations or not; returns the old flag"},
     {"callbacks", callbacks, METH_VARARGS, "(on_alloc(ptr, n) -> None | str, on_free(ptr))"},
     {"fail_at", fail_at, METH_O, "make the allocation with this index raise OOM once"},
+    {"off_in_children", off_in_children, METH_O, "forked children stop counting (or not)"},
     {"stats", stats, METH_NOARGS, "live, peak, allocations, total bytes, this thread's flag"},
     {nullptr, nullptr, 0, nullptr}};
 
@@ -276,14 +293,18 @@ PyMODINIT_FUNC PyInit_autofit_native_alloc(void) { return PyModule_Create(&modul
 # -- building -------------------------------------------------------------------------------------
 
 def missing_tools() -> list[str]:
-    """What load_inline needs and this machine lacks (a C++ compiler, ninja)."""
+    """What load_inline needs and this machine lacks: the C++ compiler it calls ($CXX, else c++),
+    ninja, Python's headers."""
+    import sysconfig
     cxx = os.environ.get("CXX", "c++")
-    missing = [] if shutil.which(cxx) or shutil.which("g++") else [f"a C++ compiler ({cxx})"]
+    missing = [] if shutil.which(cxx) else [f"C++ compiler ({cxx!r} not on PATH; set CXX)"]
     try:
         from torch.utils.cpp_extension import verify_ninja_availability
         verify_ninja_availability()
     except Exception:
         missing.append("ninja")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        missing.append("Python.h (the python3-dev headers)")
     return missing
 
 
@@ -499,6 +520,33 @@ def check_threads(native, batches) -> list[list]:
     return rows
 
 
+def check_storages(native) -> list[list]:
+    """Memory that reaches a tensor other than as an op's new output: counted by each mechanism."""
+    import numpy as np
+    cases = {
+        "torch.UntypedStorage(4096) from Python": lambda old: torch.UntypedStorage(4096),
+        "torch.from_numpy (numpy's memory)": lambda old: torch.from_numpy(np.ones(1024)),
+        "resize_ of a storage made before, to 64 KiB": lambda old: old.resize_(1 << 16),
+        "resize_ of a storage made inside, to 64 KiB": lambda old: torch.empty(0).untyped_storage()
+        .resize_(1 << 16),
+        "torch.tensor([1.0] * 1024) from a Python list": lambda old: torch.tensor([1.0] * 1024),
+    }
+    rows = []
+    for name, make in cases.items():
+        old = torch.empty(0).untyped_storage()  # made before: keeps the default allocator
+        with counting(native):
+            kept = make(old)  # noqa: F841 (alive while the counter is read)
+            by_allocator = native.stats()["total"]
+            del kept
+        old = torch.empty(0).untyped_storage()
+        with autofit.simulate_gpu() as gpu:
+            kept = make(old)
+            by_mode = gpu.memory_allocated()
+            del kept
+        rows.append([name, f"allocator {by_allocator} B, simulate_gpu() {by_mode} B"])
+    return rows
+
+
 class _WorkerData(torch.utils.data.Dataset):
     """Items made in a DataLoader worker, each saying what the worker's counter saw."""
 
@@ -516,22 +564,31 @@ class _WorkerData(torch.utils.data.Dataset):
 def check_workers(native) -> list[list]:
     _WorkerData.native = native
     loader = torch.utils.data.DataLoader(_WorkerData(), batch_size=4, num_workers=2)
-    with counting(native):
-        before = native.stats()["allocations"]
-        infos = [info for _, info in loader]
-        after = native.stats()["allocations"]
-    flags = sorted({int(r[0]) for i in infos for r in i})
-    counted = max(int(r[1]) for i in infos for r in i)
-    with counting(native, budget=512):
-        try:
-            list(loader)
-            oom = "no error"
-        except Exception as e:  # noqa: BLE001
-            oom = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
-    return [["DataLoader, 2 forked workers", f"workers' flag {flags} (fork copies the thread's "
-             f"flag), up to {counted} allocations counted in a worker's own copy; parent counted "
-             f"{after - before} while iterating"],
-            ["the same with a 512-byte budget", f"{oom} (a worker's allocation over the budget)"]]
+    rows = []
+    for off in (False, True):
+        native.off_in_children(off)
+        with counting(native):
+            before = native.stats()["allocations"]
+            infos = [info for _, info in loader]
+            after = native.stats()["allocations"]
+        flags = sorted({int(r[0]) for i in infos for r in i})
+        counts = [int(r[1]) for i in infos for r in i]
+        with counting(native, budget=512):
+            try:
+                list(loader)
+                oom = "no error"
+            except Exception as e:  # noqa: BLE001
+                oom = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+        gc.collect()  # the failed iterator, held by the traceback's cycle, is shut down here and
+        # not in the next round's forked workers
+        how = "a pthread_atfork child handler stops counting" if off else "as forked"
+        rows += [[f"DataLoader, 2 forked workers, {how}",
+                  f"workers' flag {flags}; a worker's copy of the counter read {min(counts)}.."
+                  f"{max(counts)} allocations over 8 items; the parent counted {after - before} "
+                  f"while iterating"],
+                 ["    the same with a 512-byte budget", oom]]
+    native.off_in_children(False)
+    return rows
 
 
 class _Recorder(TorchDispatchMode):
@@ -716,14 +773,19 @@ def main(argv=None) -> int:
     print_environment("counting through the CPU allocator: a prototype")
     missing = missing_tools()
     if missing:
-        print(f"SKIPPED: no {' and no '.join(missing)} on this machine; the prototype needs them "
-              f"to build (torch.utils.cpp_extension.load_inline). Nothing was measured.")
+        print(f"SKIPPED: missing on this machine: {'; '.join(missing)}. The prototype is built "
+              f"with torch.utils.cpp_extension.load_inline; nothing was measured.")
         return 0
     started = time.perf_counter()
     directory = tempfile.mkdtemp(prefix="autofit-native-alloc-") if args.cold else build_dir()
     cold = not os.path.exists(os.path.join(directory, f"{NAME}.so"))
     t0 = time.perf_counter()
-    native = load(directory)
+    try:
+        native = load(directory)
+    except Exception as e:  # noqa: BLE001 (a compiler that cannot build it: say why, stop)
+        print(f"SKIPPED: the extension did not build in {directory}: {type(e).__name__}: "
+              f"{str(e)[-600:]}")
+        return 0
     first = time.perf_counter() - t0
     cached = cached_load_seconds(directory)
     print("Table 1. compile (load_inline, Python.h + c10/core/CPUAllocator.h + "
@@ -736,7 +798,7 @@ def main(argv=None) -> int:
 
     batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
     checks = (check_oom(native) + check_swaps(native, directory) + check_lifetimes(native)
-              + check_threads(native, batches) + check_workers(native))
+              + check_storages(native) + check_threads(native, batches) + check_workers(native))
     hidden, peaks = check_hidden(native, batches)
     lm_hidden, lm_peaks = check_hidden(native, lm_batches(4, rows=BATCH, seq=SEQ, vocab=VOCAB),
                                        lambda: gpt2(hidden=128, layers=2, seq=SEQ, vocab=VOCAB), 3)

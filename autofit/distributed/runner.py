@@ -31,6 +31,11 @@ class DistributedStepRunner(StepRunner):
         if self.lockstep.sharded is not None:
             self.lockstep.sharded.abandon()
 
+    def held(self) -> list:
+        """Tensors training holds besides the model's and the optimizer's (the leak watch's
+        legitimate memory): FSDP's meshes for a sharded model."""
+        return [] if self.lockstep.sharded is None else self.lockstep.sharded.held()
+
     def count(self, batch) -> float:
         """What a batch weighs: its label tokens for a token-level loss, else its rows (for a
         loss_fn told num_items_in_batch: what its weighting counts)."""
