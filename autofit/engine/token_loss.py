@@ -214,7 +214,7 @@ def _probing(model, device):
     """The module itself (no DDP collective, no compilation for a probe) in eval mode, under no_grad,
     in host memory, leaving the RNG and the train/eval mode as they were. Call its `forward`, not
     `__call__`: hooks the user put on the model (step counters, fault injection) see training
-    forwards only."""
+    forwards only (a sharded model's probe excepted: FSDP gathers in its hooks, see shifts_labels)."""
     inner = unwrap(model)
     was_training = inner.training
     try:
