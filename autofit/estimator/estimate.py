@@ -42,7 +42,9 @@ cached free blocks, split remainders), which is what a card's memory limit caps.
 
 Known differences from a card, all small or covered by `rank`'s workspace reserve and calibration:
 - the CUDA context and cuBLAS/cuDNN workspaces are not tensors and not counted; the allocator model
-  replays this one step from a fresh cache, where a card's cache also holds what earlier steps left;
+  replays this one step from a fresh cache, where a card's cache also holds what earlier steps left
+  (`measure(plan, after=..., limit=...)` replays the step before it and caps the model as a budget
+  does: what `autofit.estimator.guide` asks where the budget caps reserved bytes);
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
