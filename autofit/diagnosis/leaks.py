@@ -130,6 +130,7 @@ class LeakWatch:
         if allocated is None:
             allocated = self.device.memory_allocated()
         legit = held["params"] + held["grads"] + held["optimizer"] + self._data_bytes
+        legit += storage_bytes(self._runner_held(), on_device=self.on_device)
         extra = {}
         scaler = getattr(self.runner, "scaler", None)  # fp16 plans: the grad scaler's two scalars
         tensors = [v for v in vars(scaler).values() if isinstance(v, torch.Tensor)] if scaler else []
@@ -195,9 +196,15 @@ class LeakWatch:
             tensors += [v for v in vars(scaler).values() if isinstance(v, torch.Tensor)]
         if batch is not None:
             tensors += [t for _, t in _fields(batch) if isinstance(t, torch.Tensor)]
+        tensors += self._runner_held()
         keys = {_key(t) for t in tensors}
         keys |= {k for k, r in self._data_storages.items() if r() is not None}
         return keys
+
+    def _runner_held(self) -> list:
+        """What the step runner holds besides the model and optimizer (a sharded model's meshes)."""
+        held = getattr(self.runner, "held", None)
+        return held() if held is not None else []
 
     def _live_objects(self):
         """(tensors on the device, one per storage; autograd nodes) reachable from Python."""

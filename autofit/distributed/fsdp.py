@@ -128,6 +128,16 @@ class Sharded:
         from autofit.distributed.fsdp_guard import Guards
         self.guards = Guards(self.model, self.units, check)
 
+    def held(self) -> list[torch.Tensor]:
+        """What FSDP keeps for the run besides the parameters: each unit's device mesh's rank map,
+        made where the model was sharded (host memory on CUDA; on a simulated GPU counted if that
+        was inside it). Units with equal meshes share one in their parameters' specs, so the
+        units' own meshes are read."""
+        meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for u in self.units
+                  for g in u._get_fsdp_state()._fsdp_param_groups}
+        maps = (getattr(mesh, "_rank_map", None) for mesh in meshes.values())  # `mesh` makes a new one
+        return [m for m in maps if isinstance(m, torch.Tensor)]
+
     def arm(self, on: bool) -> None:
         """Guards on for a training attempt (never for evaluation or anything else)."""
         self.guards.armed = on

@@ -171,9 +171,8 @@ class Controller:
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = None if (step, plan) in self._retried else self.attempter.fragmented(outcome)
+        why = self.attempter.fragmented(outcome, (step, plan), self._retried)
         if why:
-            self._retried.add((step, plan))
             self.next_plan, self.reason = plan, why
             if not self.quiet:
                 log.warning("out of memory under %s (%s); %s", plan.describe(), text, why)

@@ -84,6 +84,21 @@ def label_tokens(shifted: bool) -> Callable:
     return count
 
 
+def weightless(batch):
+    """A micro-batch that counts no label token (weight 0) but must still run (FSDP's collectives
+    pair across ranks), made safe to run: its loss is a mean over no token, NaN, and 0 * NaN is NaN
+    in the loss and, through a division by the count, in the gradients. So its last label (which
+    counts, shifted or not) becomes 0, in a copy (the user's batch is untouched): the loss is
+    finite and the weight 0 makes its contribution exactly zero. A batch without integer labels
+    is returned as it is."""
+    labels = labels_of(batch)
+    if labels is None or labels.is_floating_point() or labels.numel() == 0:
+        return batch
+    counted = labels.clone()
+    counted.view(-1)[-1] = 0
+    return {**batch, "labels": counted}
+
+
 def _rows_or_labels(batch):
     counted = label_tokens(False)(batch)
     return batch_size(batch) if counted is None else counted

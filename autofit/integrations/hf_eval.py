@@ -1,6 +1,7 @@
 """Evaluation of a Hugging Face `Trainer` that survives an out-of-memory error: `EvalGuard` halves
 `per_device_eval_batch_size` and evaluates again, each try an `engine.attempt` attempt (freed after
-its `except` block, memory checked against the baseline). Used by `autofit.integrations.transformers`."""
+its `except` block, memory checked against the baseline); a failure the cache's holes caused is
+first replayed once at the same size (gpu/fragmentation). Used by `autofit.integrations.transformers`."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class EvalGuard:
         self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
         self.tries = 0  # tries of the current evaluation
         self.size = 0   # its per_device_eval_batch_size
+        self.replayed: set = set()  # sizes of the current evaluation replayed after the cache's holes were freed
         # Nothing of the training is dropped (it goes on after the evaluation); what stays above
         # the baseline is named among the tensors that are neither the model's nor its optimizer's.
         self.attempter = Attempter(device, holders=self._holders)
@@ -95,7 +97,7 @@ class EvalGuard:
     def evaluate(self, *args, **kwargs):
         self.outside_peak = self.training_peak()
         rng = rng_state()  # every retry starts from it
-        self.tries = 0
+        self.tries, self.replayed = 0, set()
         outcome = until_fits(lambda: self._attempt(rng, args, kwargs), self._after_oom)
         return outcome.value
 
@@ -117,6 +119,9 @@ class EvalGuard:
     def _after_oom(self, outcome) -> bool:
         size, step = self.size, self.trainer.state.global_step
         self.attempts.append(EvalAttempt(size, "oom", step, self.reason, outcome.error, self.done, outcome.peak))
+        if why := self.attempter.fragmented(outcome, size, self.replayed):  # as autofit.evaluate does
+            self.reason = why
+            return True
         if size <= 1:
             raise DoesNotFit(
                 f"evaluation of one row per device ran out of memory at global step {step} on "

@@ -1,6 +1,8 @@
 """Recovering a Hugging Face `Trainer`'s training from an out-of-memory error: each `trainer.train()`
 is an `engine.attempt` attempt; after one fails, what it held is freed (after its `except` block),
-the plan steps down the Trainer's ladder, and the next attempt restarts from the initial state or
+the plan steps down the Trainer's ladder (a failure the cache's holes caused first replays the
+same plan once per global step, as training's controller does: gpu/fragmentation), and the next
+attempt restarts from the initial state or
 resumes from a checkpoint this call saved. Used by `autofit.integrations.transformers` (evaluation
 retries are `hf_eval`'s)."""
 
@@ -171,6 +173,7 @@ class TrainAttempts:
         self.resumable = resumable_checkpoints(trainer.args)
         self.attempts: list = []
         self.seen = {self.plan}
+        self.replayed: set = set()  # (global step, plan) replayed after the cache's holes were freed
         self.attempter = Attempter(device, lambda: (trainer.model, _optimizer(trainer)),
                                    free=lambda: free_attempt(trainer, self.owns_optimizer),
                                    # DoesNotFit: an evaluation that fits nowhere, not a training OOM
@@ -200,7 +203,11 @@ class TrainAttempts:
         step, text = trainer.state.global_step, outcome.error
         self.attempts.append(Attempt(self.plan, "oom", self.reason, outcome.peak, step, text, "trainer.train",
                                      memory))
-        taken = next_down(self.ladder, self.plan, self.rows, failed=self.seen.__contains__)
+        # As in training's controller: the cache's holes (freed first) replay the same plan once
+        # per global step before the ladder steps down.
+        replay = self.attempter.fragmented(outcome, (step, self.plan), self.replayed)
+        taken = (self.plan, replay) if replay else next_down(self.ladder, self.plan, self.rows,
+                                                             failed=self.seen.__contains__)
         if taken is None:
             raise DoesNotFit(
                 f"no plan of the ladder fits the Trainer's batch at global step {step} on "
@@ -222,8 +229,8 @@ class TrainAttempts:
         else:
             self.start.restore()
             where = "no checkpoint to resume from: restarted from the initial state"
-        log.warning("out of memory in trainer.train at global step %d under %s (%s); stepping down to %s",
-                    step, self.plan.describe(), text, plan.describe())
+        log.warning("out of memory in trainer.train at global step %d under %s (%s); %s", step,
+                    self.plan.describe(), text, replay or f"stepping down to {plan.describe()}")
         self.plan, self.reason, self.checkpoint = plan, f"{why}; {where}", checkpoint
         hf.apply_plan(trainer, plan)
         return True

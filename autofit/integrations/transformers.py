@@ -24,7 +24,8 @@ Decisions, with their reasons:
 - On OOM in training: the failed attempt is freed (after its `except` block: the Trainer's own
   optimizer is dropped and rebuilt, a user's optimizer keeps its object and gets its state back),
   the plan steps down as autofit.plans.ladder.default_ladder does (per-device batch halved down to 8,
-  then bf16 when precision="auto", then checkpointing, then per-device batch down to 1), and the
+  then bf16 when precision="auto", then checkpointing, then per-device batch down to 1; an OOM
+  the allocator cache's holes caused first replays the same plan once, after emptying it), and the
   run resumes from the newest checkpoint *this call saved* (`save_strategy` and `save_steps` are the
   user's; checkpoints of other runs already in output_dir are never used). The Trainer then skips
   `global_step * gradient_accumulation_steps` batches of the new loader, which is `global_step`
