@@ -156,6 +156,8 @@ def _worker(rank, init_file, out_dir):
         calls = []
 
         def fail_once(module, args):
+            if not torch.is_grad_enabled():
+                return  # the probe of whether the loss shifts labels (it does not, here)
             calls.append(1)
             if len(calls) == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
@@ -166,6 +168,17 @@ def _worker(rank, init_file, out_dir):
     seen["zero_labels"] = {"losses": [h["loss"] for h in result.history],
                            "attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in result.attempts]}
     saved["zero_labels"] = _full(model)
+
+    # 2b. A causal LM's own loss, sharded: its labels are shifted (asked of the model on every rank at
+    # once), so the micro-batches weigh their shifted label tokens; rank 1's first share has none.
+    from reference import gpt2, lm_batches
+    lm = lm_batches(2, rows=2 * PER_RANK)
+    lm[0]["labels"][PER_RANK:] = -100
+    model = gpt2()
+    sharded(model, model.transformer.h)
+    result = run(model, [{k: v[rank * PER_RANK:(rank + 1) * PER_RANK] for k, v in b.items()} for b in lm])
+    seen["causal"] = {"losses": [h["loss"] for h in result.history]}
+    saved["causal"] = _full(model)
 
     # 3. The same shares, text field included, through a user loss_fn that takes num_items_in_batch.
     model = _tagger()
@@ -258,6 +271,27 @@ def test_a_micro_batch_without_label_tokens_contributes_exactly_nothing(ranks):
     assert _max_diff(p0["zero_labels"], p1["zero_labels"]) == 0
     batches, _ = _token_shares(0)
     assert _max_diff(p0["zero_labels"], _token_loop(batches, [4, 6])) <= 1e-5
+
+
+def test_a_sharded_causal_lm_weighs_its_shifted_label_tokens(ranks):
+    from reference import gpt2, lm_batches
+    (r0, r1), (p0, p1) = ranks
+    assert r0["causal"]["losses"] == r1["causal"]["losses"]
+    assert all(math.isfinite(loss) for loss in r0["causal"]["losses"])
+    assert _max_diff(p0["causal"], p1["causal"]) == 0
+    batches = lm_batches(2, rows=2 * PER_RANK)
+    batches[0]["labels"][PER_RANK:] = -100
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    count = lambda b: int((b["labels"][:, 1:] != -100).sum())  # noqa: E731
+    for batch in batches:
+        for start in (0, PER_RANK):
+            part = {k: v[start:start + PER_RANK] for k, v in batch.items()}
+            if count(part):
+                (model(**part).loss * (count(part) / count(batch))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert _max_diff(p0["causal"], model.state_dict()) <= 1e-5
 
 
 def test_a_user_token_loss_with_text_fields_equals_the_token_weighted_loop(ranks):

@@ -80,6 +80,23 @@ class ShardedEvaluation:
         finally:
             failure = None
 
+    def call(self, module, kwargs):
+        """One forward of the sharded model outside training and evaluation (token_loss's probe of
+        whether its loss shifts labels), paced as an evaluation forward: every rank runs it at the
+        same point, its gathers guarded; the model is left sharded."""
+        failure, output = None, None
+        try:
+            with self.forward():
+                output = module(**kwargs)
+        except Exception as error:  # noqa: BLE001 -- every rank hears of it, then it is raised
+            failure = error
+        try:
+            self.after(failure)
+        finally:
+            failure = None
+            self.abandon()
+        return output
+
     def abandon(self) -> None:
         """After a failed forward: every unit back to sharded and idle, wherever it stopped."""
         self.sharded.abandon()

@@ -165,8 +165,10 @@ class Training:
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
         start, reason = self.coupling.start(start, reason, first_rows)
         moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
+        # A sharded model's forwards communicate: its probe runs on every rank at once, agreed.
+        call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
         weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
-                                   probe=lockstep.sharded is None)
+                                   probe=lockstep.sharded is None, call=call)
         count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
