@@ -215,12 +215,16 @@ def _worker(rank_, init_file, out_dir):
     from autofit.estimator.sharded import estimate_sharded
     kept = estimate_sharded(bert(hidden=64), WORLD, Plan(8, reshard_after_forward=False), mine,
                             device_type="cpu").peak_bytes
+    # With gathered parameters kept, an evaluation between epochs (no backward to reshard them)
+    # runs in lockstep and leaves training as it was.
     for name, budget in (("roomy", "256MiB"), ("tight", kept - 1)):
         with autofit.simulate_gpu(budget):
             model = bert(hidden=64)
-            result = run(model, batches, shard=True, optimizer=torch.optim.AdamW)
+            extra = {"eval_data": cls_batches(1, rows=2 * PER_RANK, seed=9)} if name == "roomy" else {}
+            result = run(model, batches, shard=True, optimizer=torch.optim.AdamW, **extra)
             seen[name] = {"attempts": attempts(result), "choices": list(reshard_choices(model)),
-                          "reason": result.attempts[0].reason}
+                          "reason": result.attempts[0].reason,
+                          "eval": [[e["samples"], round(e["loss"], 6)] for e in result.eval_history]}
             saved[name] = _full(model)
 
     # 3. A user model sharded with True: never a plan that keeps gathered parameters.
@@ -273,11 +277,17 @@ def test_fsdp_moves_on_two_ranks(ranks):
         assert seen["roomy"]["choices"] == [False, True]
         assert seen["roomy"]["attempts"] == [[0, 8, 1, False, False, "ok"], [1, 8, 1, False, False, "ok"]]
         assert seen["tight"]["attempts"] == [[0, 8, 1, True, False, "ok"], [1, 8, 1, True, False, "ok"]]
+        assert [e[0] for e in seen["roomy"]["eval"]] == [16]  # every evaluation row once
         assert seen["tight"]["reason"].startswith("estimated: fastest plan predicted to fit")
         # the user's reshard_after_forward=True is never made more expensive
         assert seen["user_true"] == {"choices": [True], "refused": (
             "FSDPBertForSequenceClassification was sharded with reshard_after_forward=True; autofit "
             "never keeps more gathered than you chose (shard it with False to allow it)")}
+    assert r0["roomy"]["eval"] == r1["roomy"]["eval"]
+    loop = plain_loop(bert(hidden=64), cls_batches(2, rows=2 * PER_RANK, seed=4), [8, 8]).eval()
+    with torch.no_grad():
+        expected = loop(**cls_batches(1, rows=2 * PER_RANK, seed=9)[0]).loss.item()
+    assert abs(r0["roomy"]["eval"][0][1] - expected) <= 1e-5  # the trained model, evaluated once
     assert all(e.startswith("out of memory on another rank (rank 1") for e in r0["budgets"]["errors"])
     assert all(e.startswith("CUDA out of memory") for e in r1["budgets"]["errors"])  # its own
     # the same mathematics: every setting, on both ranks, equals one process with the same splits
