@@ -7,11 +7,13 @@ For each held-out model (a DistilBERT-like classifier, a ViT and a GPT-NeoX (Pyt
 built from transformers configs with their default dropout), `autofit.run` trains `--batches` global
 batches of 32 (precision="fp32", an empty plan cache) on a simulated GPU whose budget caps allocated
 bytes (the default) or reserved bytes (`caps="reserved"`, as a card's memory limit does). The budget
-is set from measured peaks of autofit's own step so that about 40% of the batch fits. "largest" is the largest micro-batch that fits, measured directly:
-the budget lies halfway between the peak of autofit's own step at 13 rows (the second global step,
-with the AdamW state, on a fresh model under an unlimited simulated GPU of the same caps) and the
-next larger peak (at 14 rows, or further up where reserved peaks share a segment), so every size
-up to the one before that fits and none above it does. Sequences are 64 tokens, padded rows; ViT
+is set from measured peaks of autofit's own step so that about 40% of the batch fits: it lies halfway
+between the peak of autofit's own step at 13 rows (the second global step, with the AdamW state, on a
+fresh model under an unlimited simulated GPU of the same caps) and the next larger peak (at 14 rows,
+or further up where reserved peaks share a segment). "largest" is the largest micro-batch that fits,
+measured directly under that budget: the largest size whose two steps (from a fresh model) run
+without an OOM. Where the budget caps reserved bytes this can be above the unbounded peaks' answer:
+a capped allocator releases its cached segments before it fails. Sequences are 64 tokens, padded rows; ViT
 images 32 x 32 in patches of 4.
 
 Each run happens twice, in a child process: with this checkout's autofit ("after") and with the
@@ -106,12 +108,14 @@ def step_peak(name: str, caps: str, micro: int, budget=None) -> int | None:
 
 def budget_and_largest(name: str, caps: str) -> tuple[int, int]:
     """A budget halfway between the peak of TARGET rows and the next larger peak (reserved peaks
-    come in segments: several sizes may share one), and the largest micro-batch under it."""
+    come in segments: several sizes may share one), and the largest micro-batch that fits it."""
     low = step_peak(name, caps, TARGET)
     size = TARGET + 1
     while (high := step_peak(name, caps, size)) == low:
         size += 1
-    return (low + high) // 2, size - 1
+    budget = (low + high) // 2
+    largest = next(m for m in range(GLOBAL_BATCH, 0, -1) if step_peak(name, caps, m, budget) is not None)
+    return budget, largest
 
 
 def cold_run(name: str, caps: str, budget: int, n: int) -> dict:

@@ -48,8 +48,9 @@ def _private_plan_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def frozen_heap():
-    """For tests that run many OOM recoveries: each one (and each run's end) does a full
-    `gc.collect()`, which walks every object alive, ~400k once torch, transformers and pytest are
+    """For tests that run many OOM recoveries: each one (and each run's end) may do a full
+    `gc.collect()` (gpu.oom.collect: when the young generations leave device memory held, and
+    always on a device that counts nothing), which walks every object alive, ~400k once torch, transformers and pytest are
     loaded (0.2-0.6 s a collection here). Everything alive before the test is moved to the
     permanent generation (`gc.freeze`), which collections skip, so they walk only what the test
     makes; what they free is the same. `gc.get_referrers`/`get_objects` do not see frozen objects:

@@ -240,3 +240,91 @@ def test_calibration_is_stored_per_model_and_device_and_never_erased():
     # A run that measured nothing (started from the cache) keeps the factor it read.
     again.remember(Plan.for_batch(8, 8), SizeLog(), [], 0, calibration=None, calibrated="reserved")
     assert sorted(r["entry"]["calibration"] for r in PlanCache().entries()) == [1.25, 1.25]
+
+
+# -- point 4 where the budget caps reserved bytes: the cache's history -----------------------------
+
+LM_ROWS, LM_SEQ = 32, 32
+
+
+def gpt2(seed=0):
+    """A tiny GPT-2 (default dropout 0.1) whose loss backward holds b x s x vocab fp32 tensors of
+    megabytes: its blocks come from the large pool's 20 MiB segments, where layouts matter."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=2000, n_embd=64, n_layer=1, n_head=2, n_positions=LM_SEQ))
+
+
+def lm_batches(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, 2000, (LM_ROWS, LM_SEQ), generator=g)
+        mask = torch.ones_like(ids)
+        mask[::3, LM_SEQ // 2:] = 0  # padded rows, their labels ignored
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def lm_steps(first, then, budget=None):
+    """The simulated GPU's (caps="reserved") reserved peak of a step of `then` rows after a first
+    step of `first` rows, from a fresh cache; None when a step ran out of `budget`."""
+    from autofit.engine.step import StepRunner
+    from autofit.gpu.device import open_device
+    model, data = gpt2(), lm_batches(2)
+    with autofit.simulate_gpu(budget, caps="reserved") as gpu, open_device() as device:
+        device.place_model(model)
+        runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device)
+        try:
+            runner.run(data[0], Plan.for_batch(LM_ROWS, first, precision="fp32"))
+            gpu.reset_peak_memory_stats()
+            runner.run(data[1], Plan.for_batch(LM_ROWS, then, precision="fp32"))
+            return gpu.max_memory_reserved()
+        except torch.OutOfMemoryError:
+            runner.abandon()
+            return None
+        finally:
+            runner.close()
+
+
+def test_the_estimate_replays_the_step_before_it_and_the_cap_of_the_allocator():
+    estimator = Estimator(gpt2(), lm_batches(1)[0], device_type="cpu")
+
+    def plan(m):
+        return Plan.for_batch(LM_ROWS, m, precision="fp32")
+
+    # After the step before it (the run's first, which makes the optimizer state), to the byte;
+    # from a fresh cache with the state laid out first, 4 MiB low at 7 rows and 2 MiB high at 28.
+    for first, then, measured, fresh in ((7, 7, 30, 26), (16, 28, 54, 56)):
+        assert lm_steps(first, then) == measured * MiB
+        assert estimator.measure(plan(then), after=plan(first)).reserved_bytes == measured * MiB
+        assert estimator.measure(plan(then)).reserved_bytes == fresh * MiB
+    # Under a 29 MiB cap the allocator releases its cached segments before it fails: 7 rows fit
+    # (their unbounded peak is 30 MiB), 20 rows after 16 do not; the capped replay says the same.
+    cap = 29 * MiB
+    assert lm_steps(7, 7, cap) is not None and lm_steps(16, 20, cap) is None
+    assert estimator.measure(plan(7), after=plan(7), limit=cap).reserved_bytes <= cap
+    assert estimator.measure(plan(20), after=plan(16), limit=cap).reserved_bytes > cap
+
+
+def test_a_reserved_capped_run_starts_at_the_largest_size_its_own_first_step_leaves_room_for():
+    budget = 33 * MiB
+    # The largest micro-batch that fits, measured: a run's two steps of 27 rows fit, of 28-32 not.
+    assert [m for m in range(27, LM_ROWS + 1) if lm_steps(m, m, budget) is not None] == [27]
+    model, data = gpt2(), lm_batches()  # on the host, as a DataLoader gives them
+    with autofit.simulate_gpu(budget, caps="reserved"):
+        result = autofit.run(model, data, precision="fp32", progress=False)
+    # The capacity check's fastest plan is 16 x 2; the capped replays of a run starting with it
+    # say 27 rows fit (a fresh cache's unbounded estimate: 16), so the run starts there: no OOM,
+    # the largest fit from the first global batch. (Before: 16, then 21 rows probed, no further.)
+    assert steps(result) == [(0, 27, "ok"), (1, 27, "ok"), (2, 27, "ok")]
+    assert "micro-batch 27, the largest predicted to fit a run starting with it" in result.attempts[0].reason
+
+
+def test_where_the_budget_caps_allocated_bytes_the_start_and_probe_are_as_before():
+    budget = autofit.estimate(gpt2(), lm_batches(1)[0], Plan.for_batch(LM_ROWS, 12, precision="fp32"),
+                              device_type="cpu").peak_bytes
+    model, data = gpt2(), lm_batches()
+    result = autofit.run(model, data, budget=budget, precision="fp32", progress=False)
+    # The cost model's even split first (11 x 3), the allocated estimate's largest at the second.
+    assert steps(result) == [(0, 11, "ok"), (1, 12, "ok"), (2, 12, "ok")]

@@ -134,7 +134,7 @@ def probe_json(capsys, *argv):
 
 
 PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
-               "per_parameter_step"]
+               "per_parameter_step", "reshard_after_forward", "reduce_each_micro_batch"]
 ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",

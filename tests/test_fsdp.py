@@ -51,24 +51,28 @@ def test_plain_parameters_are_not_sharded():
     assert not is_sharded(object())
 
 
-def test_evaluation_of_a_sharded_model_is_refused_before_any_training(tmp_path):
-    """Refused the same way on every rank (here a group of one), before the first batch is trained:
-    a sharded forward all-gathers, and evaluation's own ladder has no agreements yet."""
+def test_a_sharded_model_is_evaluated_as_one_process_evaluates_its_weights(tmp_path):
+    """Evaluation of a sharded model was refused before any training; it now runs in lockstep
+    (here a group of one, every agreement with itself; two ranks: tests/test_fsdp_eval.py) and
+    gives what autofit.evaluate gives for the same weights unsharded, in a training run that goes on
+    after it (the gathered parameters were not made in inference mode)."""
     import torch.distributed as dist
     import autofit
     from reference import bert, cls_batches
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
     try:
         model = bert()
-        batches = cls_batches(2, rows=4)
-        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        with pytest.raises(ValueError, match=r"evaluation of a model sharded with fully_shard \(FSDPBertForSequenceClassification\) is not supported"):
-            autofit.run(model, batches, eval_data=batches[:1], shard=True, cache=False,
-                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-        after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was trained
+        batches, held_out = cls_batches(2, rows=4), cls_batches(2, rows=5, seed=9)
+        result = autofit.run(model, batches, eval_data=held_out, shard=True, cache=False, epochs=2,
+                             progress=False, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        assert [e["samples"] for e in result.eval_history] == [10, 10]
+        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     finally:
         dist.destroy_process_group()
+    plain = bert()
+    plain.load_state_dict(weights)
+    alone = autofit.evaluate(plain, held_out)
+    assert result.eval_history[-1]["loss"] == pytest.approx(alone.loss, abs=1e-6)
 
 
 def test_the_cache_key_holds_the_world_size_and_the_sharding():

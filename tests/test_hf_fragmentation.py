@@ -10,6 +10,8 @@ training leaves 34 MiB of segments cached, and at 46 MiB the first attempt fails
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import Trainer, TrainingArguments
@@ -113,11 +115,34 @@ def test_the_trainer_replays_the_plan_the_cache_holes_failed_and_trains_as_an_un
     assert losses == free_losses and len(losses) == 1
 
 
+class FullCollections:
+    """Counts full garbage collections (generation 2) while open; automatic collection off."""
+
+    def __enter__(self):
+        self.count, self.was_enabled = 0, gc.isenabled()
+        gc.disable()
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase, info):
+        self.count += phase == "start" and info["generation"] == 2
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._seen)
+        if self.was_enabled:
+            gc.enable()
+
+
 def test_when_the_weights_sit_in_the_holes_the_replay_fails_and_the_trainer_steps_down(tmp_path):
     # The weights were placed in the earlier pass's segments: emptying the cache cannot give those
     # back, so the replay fails the same way and the ladder steps down.
-    run, _, _ = _run(tmp_path, 46 * MiB, prior=True, model_first=True)
+    with FullCollections() as full:
+        run, _, _ = _run(tmp_path, 46 * MiB, prior=True, model_first=True)
     assert _shape(run.attempts) == [(1024, 2, "oom"), (1024, 2, "oom"), (512, 4, "ok")]
+    # One full collection per trainer.train() (the Trainer's own, through Accelerator.free_memory at
+    # the start of its loop); the recoveries add none (gpu.oom.collect; free_attempt empties the
+    # Accelerator's lists without free_memory's collection).
+    assert full.count == 3
     assert run.attempts[1].reason.startswith("fragmentation: 9.73 MiB of 34.00 MiB reserved was unallocated")
     assert run.attempts[2].reason == HALVE
 

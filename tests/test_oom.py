@@ -1,10 +1,11 @@
 import gc
+import weakref
 
 import pytest
 import torch
 
 from autofit.gpu.device import CpuDevice, SimulatedDevice
-from autofit.gpu.oom import is_oom, release, summarize
+from autofit.gpu.oom import collect, is_oom, release, summarize
 from autofit.gpu.simulate import simulate_gpu
 
 # Written out here, not read from the module, so dropping one from OOM_MESSAGES fails a test.
@@ -278,3 +279,117 @@ def test_a_buffer_the_model_registers_during_a_failed_attempt_belongs_to_the_mod
                          if p.micro_batch_size > 2 else None)
     assert [(a.outcome, a.plan.micro_batch_size) for a in result.attempts] == [("oom", 4), ("ok", 2)]
     assert model.table.shape == (4096,)
+
+
+# -- collecting no further than needed (gpu.oom.collect) ----------------------------------------
+
+class Cycle:  # a stand-in for a frame/traceback cycle that keeps activations alive
+    pass
+
+
+class Collections:
+    """The generations the garbage collector collected while open, in order."""
+
+    def __enter__(self):
+        self.generations = []
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase, info):
+        if phase == "start":
+            self.generations.append(info["generation"])
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._seen)
+
+
+@pytest.fixture
+def no_automatic_gc():
+    was_enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if was_enabled:
+        gc.enable()
+
+
+def _pinned(n):
+    """A cycle holding an n-float tensor, unreachable once returned (its weak reference only)."""
+    node = Cycle()
+    node.self, node.activation = node, torch.zeros(n)
+    return weakref.ref(node)
+
+
+@pytest.mark.usefixtures("no_automatic_gc")
+def test_collect_stops_at_the_young_generations_when_they_free_the_memory():
+    with simulate_gpu() as gpu:
+        base = gpu.memory_allocated()
+        pinned = _pinned(1000)
+        assert gpu.memory_allocated() == base + 4096 and pinned() is not None
+        with Collections() as seen:
+            assert collect(lambda: gpu.memory_allocated() <= base) == 1
+        assert seen.generations == [1] and gpu.memory_allocated() == base
+        with Collections() as seen:  # nothing above the baseline: nothing collected
+            assert collect(lambda: gpu.memory_allocated() <= base) == -1
+        assert seen.generations == []
+
+
+@pytest.mark.usefixtures("no_automatic_gc")
+def test_collect_goes_on_to_the_full_collection_for_an_old_cycle():
+    with simulate_gpu() as gpu:
+        base = gpu.memory_allocated()
+        node = Cycle()
+        node.self, node.activation = node, torch.zeros(1000)
+        gc.collect()  # it survives (still referenced): now in the oldest generation
+        del node      # unreachable, but only a full collection sees it
+        with Collections() as seen:
+            assert collect(lambda: gpu.memory_allocated() <= base) == 2
+        assert seen.generations == [1, 2] and gpu.memory_allocated() == base
+        with Collections() as seen:  # nothing to read: the full collection, as before
+            assert collect() == 2
+        assert seen.generations == [2]
+
+
+@pytest.mark.usefixtures("no_automatic_gc")  # only autofit's own collections are seen
+def test_an_attempt_freed_by_refcounts_and_young_cycles_costs_no_full_collection():
+    # An attempt that fails in backward leaves its tensors to its frames (and a cycle through the
+    # error, kept by the work): memory is back at the baseline, with no walk of the whole heap.
+    from autofit.engine.attempt import Attempter
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    with simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        device.place_model(model)
+        baseline = gpu.memory_allocated()
+
+        def work():
+            kept = Cycle()
+            kept.self, kept.out = kept, model(x)
+            gpu.fail_at(gpu.allocation_count + 2)
+            try:
+                kept.out.square().mean().backward()
+            except torch.OutOfMemoryError as error:
+                kept.error = error  # error -> traceback -> this frame -> kept -> error
+                raise
+        with Collections() as seen:
+            outcome = Attempter(device, lambda: (model, None))(work)
+        assert not outcome.ok and gpu.memory_allocated() == baseline
+        assert 2 not in seen.generations and seen.generations[-1:] == [1]
+
+
+@pytest.mark.usefixtures("no_automatic_gc")
+def test_a_run_ends_and_recovers_without_a_full_collection():
+    import autofit
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 3))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    with Collections() as seen, simulate_gpu("64MiB") as gpu:
+        gpu.fail_at(gpu.allocation_count + 3)
+        result = autofit.run(model, data, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), cache=False,
+                             progress=False, capacity_check=False)
+        assert gpu.memory_allocated() == 4096 + 512 + 1024 + 512  # the parameters: the run's own optimizer state is gone
+    assert [a.outcome for a in result.attempts] == ["oom", "ok"]
+    assert 2 not in seen.generations

@@ -12,7 +12,7 @@ def test_defaults_and_fields():
             plan.offload_optimizer, plan.per_parameter_step) == (8, 1, "fp32", False, False, False)
     assert [f.name for f in dataclasses.fields(Plan)] == [
         "micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
-        "per_parameter_step"]
+        "per_parameter_step", "reshard_after_forward", "reduce_each_micro_batch"]
     assert PRECISIONS == ("fp32", "bf16", "fp16")
 
 
@@ -117,7 +117,8 @@ def test_dict_round_trip():
     plan = Plan(micro_batch_size=8, accumulation_steps=4, precision="fp16", offload_optimizer=True)
     data = plan.to_dict()
     assert data == {"micro_batch_size": 8, "accumulation_steps": 4, "precision": "fp16",
-                    "checkpointing": False, "offload_optimizer": True, "per_parameter_step": False}
+                    "checkpointing": False, "offload_optimizer": True, "per_parameter_step": False,
+                    "reshard_after_forward": None, "reduce_each_micro_batch": False}
     assert Plan.from_dict(data) == plan
     assert Plan.from_dict({"micro_batch_size": 2}) == Plan(micro_batch_size=2)
 
@@ -125,7 +126,8 @@ def test_dict_round_trip():
 def test_from_dict_refuses_unknown_fields_and_bad_values():
     with pytest.raises(ValueError, match=re.escape(
             "unknown Plan fields ['extra', 'micro']; expected ['accumulation_steps', 'checkpointing', "
-            "'micro_batch_size', 'offload_optimizer', 'per_parameter_step', 'precision'].")):
+            "'micro_batch_size', 'offload_optimizer', 'per_parameter_step', 'precision', "
+            "'reduce_each_micro_batch', 'reshard_after_forward'].")):
         Plan.from_dict({"micro": 8, "extra": 1, "precision": "fp32"})
     with pytest.raises(ValueError, match="'fp8'"):
         Plan.from_dict({"micro_batch_size": 8, "precision": "fp8"})

@@ -100,7 +100,8 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     assert checks == []
     switches.close()
     candidates = rank(model, bert_batch, "1GiB", precision="fp32", device_type="cpu")
-    assert [c.plan for c in candidates] == [Plan(8)]  # the whole batch fits; no offload offered
+    # the whole batch fits; no offload offered; the user's reshard_after_forward=False, explicit
+    assert [c.plan for c in candidates] == [Plan(8, reshard_after_forward=False)]
     assert candidates[0].estimate.peak_bytes == estimate_sharded(
         model, 4, Plan(8), bert_batch, device_type="cpu").peak_bytes
     assert not torch.distributed.is_initialized()

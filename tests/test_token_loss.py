@@ -164,3 +164,44 @@ def test_evaluation_counts_the_labels_of_a_wrapped_causal_lm_shifted():
     batch["labels"] = batch["input_ids"].clone()
     assert token_counter(Compiled(tiny_gpt2()))(batch) == 4 * 7
     assert token_counter(torch.nn.DataParallel(tiny_gpt2()))(batch) == 4 * 7
+
+
+def test_a_micro_batch_without_label_tokens_runs_with_a_finite_loss_and_adds_nothing():
+    """A micro-batch whose labels are all -100 weighs 0; where it cannot be skipped (FSDP) it runs,
+    and a mean over no token is NaN (0 x NaN = NaN): it runs with its last label set to 0 in a copy,
+    so the step's loss is finite and the gradients are those of the other micro-batches alone."""
+    from autofit.engine.step import StepRunner
+    from autofit.engine.token_loss import label_tokens, weightless
+    from transformers import BertConfig, BertForTokenClassification
+
+    def tagger():
+        torch.manual_seed(0)
+        return BertForTokenClassification(BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            vocab_size=100, max_position_embeddings=32, num_labels=5, hidden_dropout_prob=0.1))
+    g = torch.Generator().manual_seed(3)
+    batch = {"input_ids": torch.randint(0, 100, (8, 10), generator=g),
+             "labels": torch.randint(0, 5, (8, 10), generator=g), "text": [f"row {r}" for r in range(8)]}
+    batch["labels"][:4] = -100          # the first micro-batch of 4 counts no token
+    batch["labels"][6, 7:] = -100
+    stand_in = weightless({k: v[:4] for k, v in batch.items()})
+    assert stand_in["labels"].view(-1).tolist() == [-100] * 39 + [0]
+    assert bool((batch["labels"][:4] == -100).all())  # the user's batch untouched
+    assert weightless({"x": batch["input_ids"]}) == {"x": batch["input_ids"]}
+
+    model = tagger()
+    runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), CpuDevice(),
+                        count_tokens=label_tokens(False), loss_fn=lambda m, b: m(input_ids=b["input_ids"],
+                                                                                  labels=b["labels"]).loss)
+    torch.manual_seed(1)
+    loss = runner.run(batch, autofit.Plan(micro_batch_size=4, accumulation_steps=2))
+    plain = tagger()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    plain(input_ids=batch["input_ids"][:4])  # the same dropout draws as the stand-in's forward
+    part = {k: v[4:] for k, v in batch.items() if k != "text"}
+    out = plain(**part)
+    out.loss.backward()
+    opt.step()
+    assert loss == pytest.approx(out.loss.item(), abs=1e-6)
+    assert max_diff(model, plain) <= 1e-6

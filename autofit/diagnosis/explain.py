@@ -50,6 +50,12 @@ def _changes(old, new) -> tuple[list[str], set]:
         words.append("per-parameter optimizer step " + ("on" if new.per_parameter_step else "off"))
         if new.per_parameter_step:
             keys.add("per-parameter-step")
+    if new.reshard_after_forward != old.reshard_after_forward and new.reshard_after_forward is not None:
+        words.append("FSDP2 " + ("reshards after forward" if new.reshard_after_forward
+                                 else "keeps gathered parameters for backward"))
+    if new.reduce_each_micro_batch != old.reduce_each_micro_batch:
+        words.append("FSDP2 " + ("reduce-scatters each micro-batch" if new.reduce_each_micro_batch
+                                 else "syncs gradients on the last micro-batch only"))
     return words, keys
 
 

@@ -5,11 +5,21 @@ A model is sharded when some parameter is a DTensor (fully_shard replaced it by 
 transformer block (the model's own block classes: Hugging Face's `_no_split_modules`, else the
 classes repeated in a ModuleList) and then on the root, the layout PyTorch's FSDP2 examples use.
 The estimator reads the same blocks (`blocks`) to size the largest all-gathered unit.
+
+A plan's FSDP settings (`Plan.reshard_after_forward`, `Plan.reduce_each_micro_batch`) are applied
+to the live model by `Sharded.prepare` before each attempt. `reshard_after_forward` never goes below
+the user's own choice: a model the user sharded with True is never made to keep its gathered
+parameters; one that autofit sharded (`shard=True`) may (`reshard_choices`).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+_OWN = weakref.WeakSet()                 # models autofit sharded itself (shard=True)
+_USER = weakref.WeakKeyDictionary()      # model -> its own reshard_after_forward while a run holds it
 
 
 def _dtensor_type():
@@ -100,7 +110,46 @@ def shard(model: torch.nn.Module, **options) -> torch.nn.Module:
     for block in found:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    _OWN.add(model)
     return model
+
+
+def _reshards(unit) -> bool:
+    return any(g.post_forward_mesh_info is not None for g in unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def user_reshard_after_forward(model) -> bool:
+    """The model's own reshard_after_forward (what it was sharded with, before any plan changed it):
+    a block's, or the root's when it is the only unit."""
+    if model in _USER:
+        return _USER[model]
+    units = fsdp_units(model)
+    blocks_ = [u for u in units if u is not model and u._get_fsdp_state()._fsdp_param_groups]
+    return any(_reshards(u) for u in (blocks_ or units))
+
+
+def reshard_choices(model) -> tuple[bool, ...]:
+    """The reshard_after_forward values a plan may use for `model`, cheapest in memory last:
+    (False, True) when autofit sharded it or the user chose False, else (True,) (never more
+    memory than the user chose)."""
+    if model in _OWN or not user_reshard_after_forward(model):
+        return (False, True)
+    return (True,)
+
+
+def plan_problem(plan, model) -> str | None:
+    """Why `plan`'s FSDP settings cannot run on `model`, or None."""
+    if plan.reshard_after_forward is None and not plan.reduce_each_micro_batch:
+        return None
+    if not is_sharded(model):
+        what = "a reduce-scatter per micro-batch" if plan.reduce_each_micro_batch else \
+            f"reshard_after_forward={plan.reshard_after_forward}"
+        return (f"{what} is FSDP2's, and {type(model).__name__} is not sharded with fully_shard "
+                f"(shard=True or your own fully_shard)")
+    if plan.reshard_after_forward is False and False not in reshard_choices(model):
+        return (f"{type(model).__name__} was sharded with reshard_after_forward=True; autofit never "
+                f"keeps more gathered than you chose (shard it with False to allow it)")
+    return None
 
 
 class Sharded:
@@ -118,6 +167,13 @@ class Sharded:
         self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
                         g.all_reduce_grads)
                        for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
+        # reshard_after_forward as the model has it, for plans that keep it and for close
+        self._reshard = [(u, u._get_fsdp_state()._auto_reshard_after_forward,
+                          [(g, g.post_forward_mesh_info) for g in u._get_fsdp_state()._fsdp_param_groups])
+                         for u in self.units]
+        self.own_reshard = user_reshard_after_forward(model)
+        _USER[model] = self.own_reshard
+        self.reduce_each = False  # the plan's: a reduce-scatter after every micro-batch
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
@@ -142,12 +198,33 @@ class Sharded:
         """Guards on for a training attempt (never for evaluation or anything else)."""
         self.guards.armed = on
 
+    def prepare(self, plan) -> None:
+        """The plan's FSDP settings on the live model, before an attempt (every unit is sharded
+        and idle then: between steps, or after `abandon`). The root keeps its own setting (FSDP2
+        keeps the root gathered after forward: backward starts with it)."""
+        self.reduce_each = plan.reduce_each_micro_batch
+        wanted = plan.reshard_after_forward
+        self._restore_reshard()
+        if wanted is not None and wanted != self.own_reshard:
+            for unit in self.units:
+                if unit is not self.model:
+                    unit.set_reshard_after_forward(wanted, recurse=False)
+
+    def _restore_reshard(self) -> None:
+        for unit, auto, groups in self._reshard:
+            unit._get_fsdp_state()._auto_reshard_after_forward = auto
+            for group, info in groups:
+                group.post_forward_mesh_info = info
+
     def sync(self, i: int, last: bool):
-        """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`)."""
+        """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`): the
+        gradients are reduce-scattered after the last micro-batch, or after each one when the plan
+        says so."""
+        reduce = last or self.reduce_each
         for unit in self.units:
-            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_requires_gradient_sync(reduce, recurse=False)
         if self.guards is not None:
-            self.guards.reducing = last
+            self.guards.reducing = reduce
         return _NULL
 
     def abandon(self) -> None:
@@ -181,6 +258,8 @@ class Sharded:
     def close(self) -> None:
         if self.guards is not None:
             self.guards.remove()
+        self._restore_reshard()
+        _USER.pop(self.model, None)
         for g, factor, force_sum, reduce, all_reduce in self._saved:
             g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
             g.reduce_grads, g.all_reduce_grads = reduce, all_reduce

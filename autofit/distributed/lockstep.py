@@ -170,6 +170,7 @@ class Lockstep(Deciding, Agreement):
         self.sharded = None      # autofit.distributed.fsdp.Sharded for a fully_shard model, from hello
         self.attempt_plan = None      # the plan of the attempt under way (its agreements carry it)
         self.attempt_agreed = False   # a guard inside forward held the attempt's agreement
+        self.attempt_phase = BACKWARD  # the phase its agreements carry (EVALUATE in evaluation)
         self.sampler = None      # the DistributedSampler of per-rank data, stepped each epoch
         # DDP's broadcast_buffers: on unless the user's own DDP turned it off.
         sync_buffers = ddp is None or bool(getattr(ddp, "broadcast_buffers", True))
@@ -314,7 +315,7 @@ class Lockstep(Deciding, Agreement):
         except Exception as error:
             failure = error
         self.attempt_agreed = True
-        self.agree(BACKWARD, failure, plan=self.attempt_plan, host=self._host)
+        self.agree(self.attempt_phase, failure, plan=self.attempt_plan, host=self._host)
         self.attempt_agreed = False
 
     def agreed_step(self, step_fn, plan: Plan):

@@ -10,6 +10,7 @@ from autofit.distributed.agreement import BACKWARD
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
+from autofit.engine.token_loss import ITEMS
 from autofit.plans.ladder import config_of
 
 
@@ -25,6 +26,11 @@ class DistributedStepRunner(StepRunner):
         # every micro-batch's forward and backward, so there none may be skipped.
         self.skip_empty = lockstep.sharded is None
 
+    def prepare(self, plan) -> None:
+        super().prepare(plan)
+        if self.lockstep.sharded is not None:  # the plan's FSDP settings, on every rank alike
+            self.lockstep.sharded.prepare(plan)
+
     def abandon(self) -> None:
         super().abandon()
         if self.lockstep.sharded is not None:
@@ -36,17 +42,30 @@ class DistributedStepRunner(StepRunner):
         return [] if self.lockstep.sharded is None else self.lockstep.sharded.held()
 
     def count(self, batch) -> float:
-        """What a batch weighs: its label tokens for a token-level loss, else its rows."""
+        """What a batch weighs: its label tokens for a token-level loss, else its rows (for a
+        loss_fn told num_items_in_batch: what its weighting counts)."""
+        if self.weighting is not None:
+            return float(self.weighting.count(batch))
         tokens = self.count_tokens(batch) if self.count_tokens is not None else None
         return float(rows_of(batch) if tokens is None else tokens)
 
     def _shares(self, batch, parts):
         lock = self.lockstep
+        if self.weighting is not None:  # the loss_fn divides by the global count itself
+            return [1.0] * len(parts)
         if not lock.per_rank:
             # Each micro-batch's share of the whole global batch, which every rank holds.
             return weights(lock.global_batch, parts, self.count_tokens)
         # Each micro-batch's share of the ranks' batches together (counted at their agreement).
         return [self.count(part) / lock.global_count for part in parts]
+
+    def _items(self, batch) -> dict:
+        """num_items_in_batch for a loss_fn that takes it: the whole global batch's count, every
+        rank's share included (agreed before the batch with per-rank data)."""
+        if self.weighting is None:
+            return {}
+        lock = self.lockstep
+        return {ITEMS: int(lock.global_count if lock.per_rank else self.weighting.count(lock.global_batch))}
 
     def run(self, batch, plan) -> float:
         lock = self.lockstep

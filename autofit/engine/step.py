@@ -20,6 +20,7 @@ from autofit.engine.checkpointing import Checkpointing
 from autofit.errors import NoLossError
 from autofit.plans.ladder import config_of
 from autofit.engine.offload import Offloaded
+from autofit.engine.token_loss import weightless
 
 
 def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
@@ -139,6 +140,10 @@ class StepRunner:
             return self.weighting.shares(batch, parts)
         return weights(batch, parts, self.count_tokens)
 
+    def _items(self, batch) -> dict:
+        """The keyword every micro-batch's loss gets: {} or {"num_items_in_batch": n}."""
+        return self.weighting.items(batch) if self.weighting is not None else {}
+
     def _accumulate(self, batch, plan) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the weighted loss (on the device)."""
         self.prepare(plan)
@@ -148,12 +153,14 @@ class StepRunner:
         self.peak = 0
         parts = split(batch, plan.micro_batch_size)
         shares = self._shares(batch, parts)
-        items = self.weighting.items(batch) if self.weighting is not None else {}
+        items = self._items(batch)
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
         autocast = precisions.get(plan.precision).mixed
         for i, (part, share) in enumerate(zip(parts, shares)):
-            if share == 0 and self.skip_empty:
-                continue
+            if share == 0:
+                if self.skip_empty:
+                    continue
+                part = weightless(part)  # run, but with a finite loss: 0 * NaN would be NaN
             part = self.device.to_device(part)
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):

@@ -84,6 +84,21 @@ def label_tokens(shifted: bool) -> Callable:
     return count
 
 
+def weightless(batch):
+    """A micro-batch that counts no label token (weight 0) but must still run (FSDP's collectives
+    pair across ranks), made safe to run: its loss is a mean over no token, NaN, and 0 * NaN is NaN
+    in the loss and, through a division by the count, in the gradients. So its last label (which
+    counts, shifted or not) becomes 0, in a copy (the user's batch is untouched): the loss is
+    finite and the weight 0 makes its contribution exactly zero. A batch without integer labels
+    is returned as it is."""
+    labels = labels_of(batch)
+    if labels is None or labels.is_floating_point() or labels.numel() == 0:
+        return batch
+    counted = labels.clone()
+    counted.view(-1)[-1] = 0
+    return {**batch, "labels": counted}
+
+
 def _rows_or_labels(batch):
     counted = label_tokens(False)(batch)
     return batch_size(batch) if counted is None else counted
@@ -150,22 +165,26 @@ def probe_counting(model, batch, device) -> str | None:
 _SHIFTS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
-def shifts_labels(model, batch, device=None) -> bool:
+def shifts_labels(model, batch, device=None, call=None) -> bool:
     """Whether the model's own loss shifts per-token labels by one (next-token prediction), so a
     row's first label never counts. Found by asking the model, not its class name, once per model:
     one row of `batch` with only the first and the last label of the row kept; a loss that moves
     when the last label changes but not when the first one does shifts them. False when `batch`
-    has no per-token labels or the model's loss does not tell (the labels that are not -100 count)."""
+    has no per-token labels or the model's loss does not tell (the labels that are not -100 count).
+    `call(module, kwargs) -> output` runs the probe's forwards (default: `module.forward(**kwargs)`;
+    a sharded model's must go through FSDP's hooks on every rank at once)."""
     labels = labels_of(batch)
     if labels is None or labels.dim() < 2 or labels.is_floating_point() or labels.shape[-1] < 2:
         return False
     inner = unwrap(model)
     if inner not in _SHIFTS:
-        _SHIFTS[inner] = _probe_shift(inner, batch, device if device is not None else _ModelsDevice(inner))
+        _SHIFTS[inner] = _probe_shift(inner, batch, device if device is not None else _ModelsDevice(inner),
+                                      call)
     return _SHIFTS[inner]
 
 
-def _probe_shift(model, batch, device) -> bool:
+def _probe_shift(model, batch, device, call=None) -> bool:
+    call = call if call is not None else (lambda module, kwargs: module.forward(**kwargs))
     try:
         with _probing(model, device) as inner:
             part = device.to_device(_tensors(batch, 1))
@@ -173,7 +192,7 @@ def _probe_shift(model, batch, device) -> bool:
             kept[..., 0] = kept[..., -1] = 0
             first, last = kept.clone(), kept.clone()
             first[..., 0] = last[..., -1] = 1
-            losses = [_loss(inner.forward(**{**part, "labels": labels})) for labels in (kept, first, last)]
+            losses = [_loss(call(inner, {**part, "labels": labels})) for labels in (kept, first, last)]
             base, first, last = [math.nan if x is None else x.item() for x in losses]
     except Exception as error:  # noqa: BLE001 -- a probe never stops a run
         log.info("cannot tell whether %s shifts its labels (%s: %s); every label that is not -100 counts",
@@ -195,7 +214,7 @@ def _probing(model, device):
     """The module itself (no DDP collective, no compilation for a probe) in eval mode, under no_grad,
     in host memory, leaving the RNG and the train/eval mode as they were. Call its `forward`, not
     `__call__`: hooks the user put on the model (step counters, fault injection) see training
-    forwards only."""
+    forwards only (a sharded model's probe excepted: FSDP gathers in its hooks, see shifts_labels)."""
     inner = unwrap(model)
     was_training = inner.training
     try:
@@ -232,10 +251,11 @@ def _loss(out):
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def loss_weighting(model, batch, loss_fn, device, probe: bool = True) -> LossWeighting:
+def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None) -> LossWeighting:
     """The weighting of a run's micro-batches, decided once from its first batch (and said once).
-    `probe=False` never runs the model to find how it counts (a sharded model's forward
-    communicates: it runs only inside a step)."""
+    `probe=False` never runs the model to find how it counts with `num_items_in_batch` (a sharded
+    model's forward communicates); whether its loss shifts labels is still asked, through `call`
+    (see shifts_labels)."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
@@ -258,7 +278,7 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True) -> LossWei
                              f"{name} divides its loss by num_items_in_batch ({counting} labels)")
     weighting = LossWeighting()
     if token_level:
-        shifted = shifts_labels(model, batch, device)
+        shifted = shifts_labels(model, batch, device, call)
         weighting = LossWeighting(label_tokens(shifted), False,
                                   f"label tokens (not -100, {'shifted' if shifted else 'unshifted'})")
     if labels is not None and forward_takes_items(model):

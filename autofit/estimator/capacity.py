@@ -106,11 +106,13 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     if estimator is None:
         estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
                                    sharding=sharding)
+    reshard = (None,)
     if isinstance(estimator, ShardedEstimator):
         allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
+        reshard = _reshard_choices(model, estimator.sharding)
     plans = candidate_plans(global_batch, precision, bf16_supported=bf16_supported,
                             allow_offload=allow_offload,
-                            checkpointing=Checkpointing(estimator.model).available)
+                            checkpointing=Checkpointing(estimator.model).available, reshard=reshard)
     usable = usable_bytes(budget, margin=margin, reserve=reserve)
     limit = usable / calibration
     measured: dict[Plan, Candidate] = {}
@@ -160,6 +162,16 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     return _sorted(measured, plans)
 
 
+def _reshard_choices(model, sharding) -> tuple[bool, ...]:
+    """FSDP2's reshard_after_forward values to price: those a run may use on `model` when it is
+    sharded (autofit.distributed.fsdp.reshard_choices: never more than the user chose), else
+    keeping gathered parameters only when `sharding` says so."""
+    from autofit.distributed.fsdp import is_sharded, reshard_choices
+    if is_sharded(model):
+        return reshard_choices(model)
+    return (False, True) if not sharding.reshard_after_forward else (True,)
+
+
 def _sorted(measured: dict, plans: list[Plan]) -> list[Candidate]:
     order = {p: i for i, p in enumerate(plans)}
     return sorted(measured.values(), key=lambda c: (c.cost, order.get(c.plan, 0)))
@@ -176,9 +188,10 @@ def _floor(resident: dict, measured, offloaded: bool) -> int:
 
 def _most_frugal(plans: list[Plan]) -> Plan:
     """The plan most likely to use the least memory: smallest micro-batch, checkpointing, offload,
-    mixed precision."""
+    mixed precision; under FSDP2 resharding after forward and a reduce-scatter per micro-batch."""
     return min(plans, key=lambda p: (p.micro_batch_size, not p.offload_optimizer, not p.checkpointing,
-                                     not get_precision(p.precision).mixed))
+                                     not get_precision(p.precision).mixed,
+                                     p.reshard_after_forward is False, not p.reduce_each_micro_batch))
 
 
 def _check_fit_options(margin, caps, reserve, calibration) -> None:

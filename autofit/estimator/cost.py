@@ -20,6 +20,11 @@ batch in one fp32 micro-batch, without checkpointing or offload. It is a model, 
 - checkpointing: CHECKPOINT_COST (4/3): backward recomputes the forward (forward is ~1/3 of a step).
   Chosen so that bf16 at micro-batch >= 8 (<= 1.125 * 1.15 = 1.29) ranks before checkpointing, as
   in the ladder.
+- FSDP2 (plans of a sharded model): RESHARD_COST (1.05x) for resharding after forward (each unit is
+  gathered again in backward, overlapped with compute by FSDP's prefetch), REDUCE_EACH_COST (1.08x)
+  for a reduce-scatter per micro-batch with more than one (each extra one sits at the end of a
+  backward). Both below the cost of halving a micro-batch of 8 rows, in the ladder's order
+  (plans.ladder.sharded).
 - offload: OFFLOAD_COST (3x): the optimizer update runs on the host and every step copies the
   gradients there and the parameters back. The slowest lever, used when nothing else fits.
 """
@@ -34,6 +39,8 @@ from autofit.plans.precision import get as get_precision
 MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
 CHECKPOINT_COST = 4 / 3       # one more forward
 OFFLOAD_COST = 3.0            # host update and transfers
+RESHARD_COST = 1.05           # FSDP2: one more all-gather per unit and micro-batch, mostly overlapped
+REDUCE_EACH_COST = 1.08       # FSDP2: a reduce-scatter per micro-batch instead of one per batch
 
 
 def micro_batch_sizes(global_batch: int) -> list[int]:
@@ -58,27 +65,40 @@ def plan_cost(plan: Plan, global_batch: int) -> float:
         cost *= CHECKPOINT_COST
     if plan.offload_optimizer:
         cost *= OFFLOAD_COST
+    if plan.reshard_after_forward:
+        cost *= RESHARD_COST
+    if plan.reduce_each_micro_batch and plan.accumulation_steps > 1:
+        cost *= REDUCE_EACH_COST
     return cost
 
 
 def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16_supported: bool = True,
-                    allow_offload: bool = True, checkpointing: bool = True) -> list[Plan]:
+                    allow_offload: bool = True, checkpointing: bool = True,
+                    reshard: tuple = (None,)) -> list[Plan]:
     """Every plan worth considering for a global batch, fastest first (by `plan_cost`; ties: fp32,
     no checkpointing, no offload, larger micro-batch first).
 
     Micro-batches: `micro_batch_sizes(global_batch)`. Precision: "auto" gives fp32 and bf16 (fp16
     where bf16 is unsupported); a fixed precision gives only itself. Checkpointing off and on
     (`checkpointing=False`: off only), offload off and on (`allow_offload=False`: off only).
+    `reshard`: the values of FSDP2's reshard_after_forward to consider, for a sharded model (then
+    every plan with more than one micro-batch comes also with a reduce-scatter per micro-batch);
+    (None,): not sharded.
     """
     allowed = precisions.allowed(precision, bf16_supported)
-    plans = [Plan.for_batch(global_batch, m, precision=p, checkpointing=c, offload_optimizer=o)
+    sharded = reshard != (None,)
+    plans = [Plan.for_batch(global_batch, m, precision=p, checkpointing=c, offload_optimizer=o,
+                            reshard_after_forward=r, reduce_each_micro_batch=e)
              for p in allowed
              for c in ((False, True) if checkpointing else (False,))
              for o in ((False, True) if allow_offload else (False,))
-             for m in micro_batch_sizes(global_batch)]
+             for r in reshard
+             for m in micro_batch_sizes(global_batch)
+             for e in ((False, True) if sharded and m < global_batch else (False,))]
     order = {p: i for i, p in enumerate(precisions.names())}
     return sorted(plans, key=lambda p: (plan_cost(p, global_batch), order[p.precision], p.checkpointing,
-                                        p.offload_optimizer, -p.micro_batch_size))
+                                        p.offload_optimizer, bool(p.reshard_after_forward),
+                                        p.reduce_each_micro_batch, -p.micro_batch_size))
 
 
 def _check_positive(name: str, value) -> None:

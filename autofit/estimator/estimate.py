@@ -42,7 +42,9 @@ cached free blocks, split remainders), which is what a card's memory limit caps.
 
 Known differences from a card, all small or covered by `rank`'s workspace reserve and calibration:
 - the CUDA context and cuBLAS/cuDNN workspaces are not tensors and not counted; the allocator model
-  replays this one step from a fresh cache, where a card's cache also holds what earlier steps left;
+  replays this one step from a fresh cache, where a card's cache also holds what earlier steps left
+  (`measure(plan, after=..., limit=...)` replays the step before it and caps the model as a budget
+  does: what `autofit.estimator.guide` asks where the budget caps reserved bytes);
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
@@ -74,6 +76,7 @@ from autofit.estimator.fakes import (
     on_device_state,
     warm,
 )
+from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
@@ -148,6 +151,11 @@ class _Meter(SimulatedGPU):
         self.step_top = None   # the peak while it ran
         self.carried = None    # the earlier micro-batches' loss total, until the step
         self.outer_top, self.outer_breakdown = 0, dict(self.totals)  # the peak outside the step
+        self.refused = None    # the bytes the allocator model's limit refused, if it did
+
+    def _oom(self, need: int, injected: bool = False) -> torch.OutOfMemoryError:
+        self.refused = need
+        return super()._oom(need, injected)
 
     def start(self) -> None:
         self.allocator.reset_peak()
@@ -325,14 +333,21 @@ class Estimator:
                 "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
                 "optimizer": storage_bytes(self._state())}
 
-    def measure(self, plan: Plan) -> MemoryEstimate:
+    def measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
+        """The estimate of `plan`'s step. With `after` (the plan of the step before it), that step
+        is replayed first through the allocator model, making the optimizer state as a run's first
+        step makes it, and the reserved peak is that of `plan`'s step on the cache it left
+        (`after=plan`: a run that starts with `plan`); without it, from a fresh cache. With `limit`,
+        the allocator model reserves at most that many bytes, releasing its cached segments when it
+        reaches it as a capped card's allocator does; a replay that cannot stay under it has a
+        reserved peak over it (what it held when it failed plus the segment it could not get)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         if self._sampled is None:
             cached = len(FakeTensorMode.cache)
             try:
                 with self._quiet():
-                    estimate = self._measure(plan)
+                    estimate = self._measure(plan, after, limit)
             except Exception as error:
                 self._sample(error)
             finally:
@@ -341,6 +356,43 @@ class Estimator:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
         return estimate
+
+    def _over_limit(self, plan: Plan, meter) -> MemoryEstimate:
+        """The estimate of a replay that ran out of the allocator model's limit: its reserved peak
+        is what was reserved then plus the segment it could not get (over the limit)."""
+        refused = meter.refused
+        return MemoryEstimate(plan=plan, peak_bytes=meter.top, breakdown=dict(meter.top_breakdown),
+                              device_type=self.device_type, resident=dict(self.resident),
+                              reserved_bytes=meter.allocator.reserved + segment_size(round_size(refused)),
+                              optimizer=self.optimizer_name)
+
+    def _first_step(self, meter, device, plan: Plan, state) -> bool:
+        """Replay a run's first step under `plan` through `meter`'s allocator: the optimizer state
+        takes its blocks when the step begins, after the backward pass freed the activations, as
+        the optimizer's lazy initialisation does. False when it ran out of the meter's limit."""
+        made = []
+
+        def make_state(*_):
+            if not made:
+                made.append(True)
+                with meter.as_kind("optimizer"):
+                    meter.track(state)
+        hook = self.optimizer.register_step_pre_hook(make_state)
+        numerics = precisions.get(plan.precision)
+        runner = self._runner(device)
+        try:
+            runner.run(self.batch, plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan)
+        except torch.OutOfMemoryError:
+            if meter.refused is None:
+                raise
+            return False
+        finally:
+            hook.remove()
+            runner.close()
+            self.optimizer.zero_grad(set_to_none=True)
+        if not made:  # a plan whose step never ran the optimizer: the state is made now
+            make_state()
+        return True
 
     def _device(self, meter):
         return _FakeDevice(meter)
@@ -355,15 +407,16 @@ class Estimator:
     def _runner(self, device) -> StepRunner:
         return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
 
-    def _measure(self, plan: Plan) -> MemoryEstimate:
+    def _measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
         meter = _Meter()
+        meter.allocator.limit = limit
         device = self._device(meter)
         numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
         run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
-        batch, accumulates = self._measured(plan)
+        batch, accumulates = self._measured(plan) if after is None else (self.batch, False)
         params = list(self.model.parameters()) + list(self.model.buffers())
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
@@ -376,8 +429,11 @@ class Estimator:
             with self.mode, attention, _CountingMode(meter):
                 with meter.as_kind("params"):
                     meter.track(params)
-                with meter.as_kind("optimizer"):
-                    meter.track(state)
+                if after is None:
+                    with meter.as_kind("optimizer"):
+                        meter.track(state)
+                elif not self._first_step(meter, device, after, state):
+                    return self._over_limit(plan, meter)
                 if accumulates:
                     with meter.as_kind("grads"), torch.no_grad():
                         for p in _unique(self.model.parameters()):
@@ -388,7 +444,12 @@ class Estimator:
                 runner = self._runner(device)
                 meter.start()
                 try:
-                    runner.run(batch, run_plan)
+                    try:
+                        runner.run(batch, run_plan)
+                    except torch.OutOfMemoryError:
+                        if meter.refused is None:
+                            raise
+                        return self._over_limit(plan, meter)
                     # Read before close(): bringing offloaded state back is the end of a run.
                     peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
                     reserved = meter.allocator.max_reserved

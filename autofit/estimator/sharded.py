@@ -20,8 +20,9 @@ Every rank holds the same: FSDP2 pads every shard to the same size, so rank 0 sp
 The ladder moves FSDP has, and what prices each one here (`FSDP_MOVES`):
 micro-batch (Plan.micro_batch_size), precision through MixedPrecisionPolicy
 (`Sharding.param_dtype`), checkpointing per block (Plan.checkpointing), `reshard_after_forward`
-(`Sharding.reshard_after_forward`), and how micro-batches accumulate
-(`Sharding.reduce_each_micro_batch`: gradient sync off until the last, or a reduce-scatter each).
+(`Sharding.reshard_after_forward`, or the plan's own `Plan.reshard_after_forward` when set), and
+how micro-batches accumulate (`Sharding.reduce_each_micro_batch` or the plan's
+`Plan.reduce_each_micro_batch`: gradient sync off until the last, or a reduce-scatter each).
 Not priced: CPUOffloadPolicy (on a CPU-only build its "device" and host are one memory, so the
 shards it moves away cannot be told apart here).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +59,8 @@ FSDP_MOVES = {
     "micro-batch": "Plan.micro_batch_size",
     "precision (MixedPrecisionPolicy)": "Sharding.param_dtype",
     "checkpointing per block": "Plan.checkpointing",
-    "reshard_after_forward": "Sharding.reshard_after_forward",
-    "a reduce-scatter per micro-batch": "Sharding.reduce_each_micro_batch",
+    "reshard_after_forward": "Sharding.reshard_after_forward / Plan.reshard_after_forward",
+    "a reduce-scatter per micro-batch": "Sharding.reduce_each_micro_batch / Plan.reduce_each_micro_batch",
 }
 
 
@@ -132,15 +134,25 @@ def _precision_of(dtype: torch.dtype) -> str:
 
 # -- the fake world ------------------------------------------------------------------------------
 
+_FAKE_NAMES = itertools.count(1)
+
+
 @contextlib.contextmanager
 def _entered(world):
-    """torch.distributed's world is `world` inside (the caller's, if any, is put back after)."""
+    """torch.distributed's world is `world` inside (the caller's, if any, is put back after).
+    The count that names new process groups is module-global in c10d, not the world's: the fake
+    world counts from a base of its own, far from the caller's, and the caller's count is put back,
+    so a rank that estimated names its next group as the ranks that did not (else the others wait
+    for it in `new_group` for ever) and no fake group's name is taken twice."""
     import torch.distributed.distributed_c10d as c10d
     saved, c10d._world = c10d._world, world
+    saved_count = c10d._group_count
+    c10d._group_count = getattr(world, "autofit_group_count", None) or next(_FAKE_NAMES) * 10**9
     try:
         yield
     finally:
-        c10d._world = saved
+        world.autofit_group_count = c10d._group_count
+        c10d._world, c10d._group_count = saved, saved_count
 
 
 def _fake_world(world_size: int):
@@ -315,8 +327,11 @@ class ShardedEstimator(Estimator):
                 "grads": storage_bytes(trainable),  # a sharded gradient is its parameter's size
                 "optimizer": storage_bytes(self._state())}
 
+    def _reduce_each(self, plan: Plan) -> bool:
+        return plan.reduce_each_micro_batch or self.sharding.reduce_each_micro_batch
+
     def _measured(self, plan: Plan):
-        if self.rows <= plan.micro_batch_size or self.sharding.reduce_each_micro_batch:
+        if self.rows <= plan.micro_batch_size or self._reduce_each(plan):
             return super()._measured(plan)
         # Sync off: each micro-batch adds to the unsharded gradients, the last one also
         # reduce-scatters them; two micro-batches (the second full-size when the batch has it)
@@ -327,14 +342,18 @@ class ShardedEstimator(Estimator):
         return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn, sync=self._sync)
 
     def _sync(self, i: int, last: bool):
-        if self.sharding.reduce_each_micro_batch:
-            return contextlib.nullcontext()
         return self.switches.sync(i, last)
 
     def measure(self, plan: Plan) -> MemoryEstimate:
         if plan.offload_optimizer:
             raise ValueError("offload_optimizer is not a plan for a sharded model: FSDP2 offloads "
                              "with CPUOffloadPolicy; use a plan with offload_optimizer=False.")
+        # The plan's FSDP settings (Plan fields override the Sharding's), applied to this copy as
+        # a run applies them to the live model (distributed/fsdp.Sharded.prepare).
+        raf = self.sharding.reshard_after_forward if plan.reshard_after_forward is None \
+            else plan.reshard_after_forward
+        self.switches.prepare(plan.replace(reshard_after_forward=raf,
+                                           reduce_each_micro_batch=self._reduce_each(plan)))
         with _entered(self.world):
             return super().measure(plan)
 

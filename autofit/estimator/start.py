@@ -152,14 +152,19 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
                 and config_of(c.plan) == config_of(chosen.plan) \
                 and c.plan.micro_batch_size > chosen.plan.micro_batch_size:
             sizes.record(c.plan, ok=False, length=length)
-    # The chosen size is what a batch this long gets back to after a probe on shorter ones.
-    sizes.record(chosen.plan, ok=True, length=length)
+    plan, widened = chosen.plan, ""
     if guide is not None and estimator._sampled is None:  # never real steps in the middle of a run
         guide.attach(estimator, candidates, length)
+        plan = guide.start(chosen.plan, sizes.fail(chosen.plan, length), length)
+        if plan != chosen.plan:  # where the budget caps reserved bytes: see Guide.start
+            widened = (f"; micro-batch {plan.micro_batch_size}, the largest predicted to fit a run "
+                       f"starting with it (reserved peak {format_size(guide.predicted(plan))})")
+    # The chosen size is what a batch this long gets back to after a probe on shorter ones.
+    sizes.record(plan, ok=True, length=length)
     peak = "reserved peak" if room["caps"] == "reserved" else "peak"
     calibrated = f", calibration {calibration:.3f}" if calibration != 1 else ""
     reason = (f"estimated: fastest plan predicted to fit ({peak} "
               f"{format_size(chosen.estimate.peak(room['caps']))} of {format_size(budget)}{calibrated}, "
-              f"{len(candidates)} plan(s) estimated)")
+              f"{len(candidates)} plan(s) estimated){widened}")
     log.info("capacity check: %s", reason)
-    return chosen.plan, reason
+    return plan, reason

@@ -6,7 +6,10 @@ cannot run is skipped with its reason instead of raising in the middle of a run.
 - a precision the device does not support (bf16 without bf16 support: Precision.supported_on);
 - optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
 - a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
-  already updates one parameter at a time.
+  already updates one parameter at a time;
+- FSDP2's settings (reshard_after_forward, a reduce-scatter per micro-batch) on a model that is not
+  sharded, and keeping gathered parameters when the user sharded with reshard_after_forward=True
+  (autofit.distributed.fsdp.plan_problem).
 
 `unavailable_changes(plan, applies)` applies the same rule to the changes a diagnosis may suggest
 after a failure, so autofit.explain never offers a fix the ladder would skip.
@@ -14,6 +17,7 @@ after a failure, so autofit.explain never offers a fix the ladder would skip.
 
 from __future__ import annotations
 
+from autofit.distributed.fsdp import plan_problem as fsdp_problem
 from autofit.engine.checkpointing import Checkpointing
 from autofit.engine.offload import rebuild_problem
 from autofit.plans import precision as precisions
@@ -32,6 +36,9 @@ def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing 
         problem = rebuild_problem(optimizer)
         if problem:
             return f"optimizer offload does not apply: {problem}"
+    problem = fsdp_problem(plan, model)
+    if problem:
+        return problem
     if plan.per_parameter_step and not plan.offload_optimizer:
         problem = per_parameter_problem(optimizer, device)
         if problem:
@@ -67,6 +74,11 @@ def unavailable_changes(plan, applies) -> dict[str, str]:
         "offload_optimizer": [] if plan.offload_optimizer else [plan.replace(offload_optimizer=True)],
         "per_parameter_step": [] if plan.per_parameter_step else [plan.replace(per_parameter_step=True)],
     }
+    if plan.reshard_after_forward is not None:  # FSDP2's changes, for a plan of a sharded model
+        changes["reshard_after_forward"] = [] if plan.reshard_after_forward else \
+            [plan.replace(reshard_after_forward=True)]
+        changes["reduce_each_micro_batch"] = [] if plan.reduce_each_micro_batch or plan.accumulation_steps == 1 \
+            else [plan.replace(reduce_each_micro_batch=True)]
     out = {}
     for name, plans in changes.items():
         reasons = [applies(p) for p in plans]

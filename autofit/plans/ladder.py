@@ -167,6 +167,50 @@ def per_parameter_step() -> Move:
                     "(a for-loop instead of foreach), so the step's temporaries are one parameter's")
 
 
+# -- FSDP2's own moves (a model sharded with fully_shard; plans.applies refuses them elsewhere) ----
+
+class _ReshardAfterForward(SetField):
+    def __init__(self):
+        super().__init__("reshard_after_forward", True, "FSDP2 frees each unit's gathered parameters "
+                         "after forward and gathers them again in backward")
+
+    def step(self, plan):
+        # Only from an explicit False: None is the model's own setting, never made more expensive.
+        return None if plan.reshard_after_forward is not False else super().step(plan)
+
+
+class _ReduceEachMicroBatch(SetField):
+    def __init__(self):
+        super().__init__("reduce_each_micro_batch", True, "FSDP2 reduce-scatters each micro-batch's "
+                         "gradients into the shards instead of keeping them unsharded until the last")
+
+    def step(self, plan):
+        # With one micro-batch, sync off until the last and a reduce-scatter each are the same step.
+        return None if plan.accumulation_steps == 1 else super().step(plan)
+
+
+def reshard_after_forward() -> Move:
+    return _ReshardAfterForward()
+
+
+def reduce_each_micro_batch() -> Move:
+    return _ReduceEachMicroBatch()
+
+
+def sharded(ladder: Move) -> Move:
+    """`ladder` for a model sharded with FSDP2: FSDP's own moves first, cheapest in speed first.
+    Resharding after forward costs one more all-gather of each unit per micro-batch (in backward,
+    overlapped with compute by FSDP's prefetch); a reduce-scatter per micro-batch costs one
+    reduce-scatter of each unit per extra micro-batch, on the critical path at the end of each
+    backward; both keep the mathematics. Every move of `ladder` after them costs more: a smaller
+    micro-batch all-gathers every unit again (forward and backward) for each extra micro-batch, on
+    top of its idle compute; precision, checkpointing and offload as in the default ladder."""
+    moves = [reshard_after_forward(), reduce_each_micro_batch()]
+    if isinstance(ladder, ByPhase):
+        return ByPhase(Either(*moves, ladder.general), ladder.first)
+    return Either(*moves, ladder)
+
+
 # -- moves are offers; the phase of a failure picks which come first -----------------------------
 
 # Where an attempt ran out of memory (`StepRunner.phase`, `Attempt.where`).

@@ -23,6 +23,14 @@ class Plan:
     `foreach=False` while the plan runs), so the step's temporaries are one parameter's, not all
     of them at once (foreach AdamW needs a parameter-sized temporary across every parameter).
 
+    FSDP2 (a model sharded with `fully_shard`; on any other model these stay at their defaults,
+    autofit.plans.applies): `reshard_after_forward` (None: as the model was sharded; False: each
+    unit's gathered parameters are kept from forward to backward, one all-gather fewer per unit and
+    micro-batch; True: freed after forward and gathered again in backward) and
+    `reduce_each_micro_batch` (a reduce-scatter after every micro-batch into the sharded gradients,
+    instead of gradient sync off until the last micro-batch, which keeps every unit's unsharded
+    gradients until then).
+
     `accumulation_steps` is derived from the global batch when a plan is made by `Plan.for_batch`;
     a batch shorter than `micro_batch_size * accumulation_steps` (the last one of an epoch) is split
     by `micro_batch_size` and its last micro-batch may be shorter.
@@ -34,11 +42,19 @@ class Plan:
     checkpointing: bool = False
     offload_optimizer: bool = False
     per_parameter_step: bool = False  # a default, so plans cached before it stay valid
+    reshard_after_forward: bool | None = None  # FSDP2 only; defaults keep cached plans valid
+    reduce_each_micro_batch: bool = False      # FSDP2 only
 
     def __post_init__(self):
         _positive("micro_batch_size", self.micro_batch_size)
         _positive("accumulation_steps", self.accumulation_steps)
         precisions.get(self.precision)  # raises naming the value and the choices
+        if not isinstance(self.reduce_each_micro_batch, bool):
+            raise TypeError(f"reduce_each_micro_batch must be True or False but got "
+                            f"{self.reduce_each_micro_batch!r}.")
+        if not isinstance(self.reshard_after_forward, (bool, type(None))):
+            raise TypeError(f"reshard_after_forward must be True, False or None (as the model was "
+                            f"sharded) but got {self.reshard_after_forward!r}.")
 
     @classmethod
     def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields) -> "Plan":
@@ -82,4 +98,8 @@ class Plan:
             parts.append("offload")
         if self.per_parameter_step:
             parts.append("per-parameter step")
+        if self.reshard_after_forward is not None:
+            parts.append("reshard after forward" if self.reshard_after_forward else "gathered params kept for backward")
+        if self.reduce_each_micro_batch:
+            parts.append("reduce-scatter per micro-batch")
         return ", ".join(parts)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from autofit.engine.batches import batch_size as rows_of
-from autofit.engine.batches import peek
+from autofit.engine.batches import peek, slice_batch
 from autofit.engine.reading import rng_untouched
 
 
@@ -113,6 +113,43 @@ def units(data, sizer, ceiling: int | None, host=contextlib.nullcontext):
     for index, batch in enumerate(data):
         yield index, start, batch
         start += rows_of(batch)
+
+
+class Cursor:
+    """Where evaluation is in its units: the unit being evaluated (`index`, `first` sample, `unit`,
+    `rows`) and the rows of it done (`pos`); `filler`, one row of the first unit, for a forward
+    that only keeps other ranks company (autofit.distributed.eval_lockstep)."""
+
+    def __init__(self, units, expect_like=None):
+        self._units, self.expect_like = iter(units), expect_like
+        self.index = self.first = self.pos = self.rows = 0
+        self.unit = self.filler = None
+        self.read = 0  # units read so far
+
+    def remaining(self) -> int | None:
+        """Rows of the current unit not yet evaluated, reading the next unit when this one is done
+        (a unit of no rows is passed over); None when the data is done."""
+        while self.unit is None or self.pos >= self.rows:
+            self.unit = None
+            nxt = next(self._units, None)
+            if nxt is None:
+                self.index, self.first = self.read, self.first + self.rows  # one past the end
+                self.rows = self.pos = 0
+                return None
+            self.index, self.first, unit = nxt
+            self.rows, self.pos, self.read = rows_of(unit), 0, self.read + 1
+            check_structure(unit, self.expect_like, self.index)
+            self.unit = unit
+            if self.filler is None and self.rows:
+                self.filler = slice_batch(unit, 0, 1)
+        return self.rows - self.pos
+
+    def take(self, rows: int):
+        """The next `rows` rows of the current unit (not yet counted as done: `advance`)."""
+        return slice_batch(self.unit, self.pos, self.pos + rows)
+
+    def advance(self, rows: int) -> None:
+        self.pos += rows
 
 
 def check_eval_data(data, expect_like=None, epochs: int = 1):

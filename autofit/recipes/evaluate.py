@@ -1,4 +1,5 @@
 """Evaluation: the model's loss (and metrics) on held-out data, with its own batch size and OOM ladder.
+(Over 300 lines: the evaluator's loop, its attempt, its ladder and its metric checks read as one.)
 
 Evaluation never trains (guarantee 5): it runs in `torch.inference_mode()` with the model in eval
 mode, creates no gradient, never touches the optimizer, and never changes the training plan. It has
@@ -37,11 +38,11 @@ from functools import partial
 
 import torch
 
-from autofit.engine.attempt import Attempter, until_fits
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.attempt import Attempter, Outcome, outside, until_fits
 from autofit.engine.batches import slice_batch, token_counter
 from autofit.gpu.device import open_device
-from autofit.recipes.eval_data import check_arguments, check_data, check_structure, is_map_dataset, units
+from autofit.recipes.eval_pace import Alone
+from autofit.recipes.eval_data import Cursor, check_arguments, check_data, is_map_dataset, units
 from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer  # noqa: F401  (their public path)
 from autofit.errors import DoesNotFit, MetricError, NoLossError
 from autofit.gpu.oom import is_oom
@@ -97,10 +98,12 @@ def _metric_name(fn) -> str:
 
 
 class _Evaluator:
-    def __init__(self, model, device, loss_fn, metric_fn, sizer, ceiling, expect_like, first_reason):
+    def __init__(self, model, device, loss_fn, metric_fn, sizer, ceiling, expect_like, first_reason,
+                 pace=None):
         self.model, self.device = model, device
         self.loss_fn, self.metric_fn = loss_fn, metric_fn
         self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
+        self.pace = pace if pace is not None else Alone()
         self.count_tokens = token_counter(model, device) if loss_fn is None else None
         self.reason = first_reason
         self._retried = set()  # (batch, first sample, rows) replayed after the cache's holes were freed
@@ -109,10 +112,13 @@ class _Evaluator:
         self.loss_sum, self.weight_sum, self.samples = 0.0, 0, 0
         self.metric_sums: dict[str, float] = {}
         self.final_rows = 0  # most rows run in one forward since the last step-down
-        self.trying = 0      # rows of the current attempt
+        self.trying = 0      # rows of the current attempt (under a lockstep: the most any rank runs)
         # Whatever evaluation made is an inference tensor; training state (params, grads, optimizer)
-        # is not: those are what to name when memory stays above the baseline.
-        self.attempter = Attempter(device, holders=lambda: [t for t in device.live_tensors() if t.is_inference()])
+        # is not: those are what to name when memory stays above the baseline. Under no_grad (a
+        # sharded model) it is whatever lives outside the model.
+        holders = (lambda: [t for t in device.live_tensors() if t.is_inference()]) \
+            if self.pace.grad_mode is torch.inference_mode else outside(device, model)
+        self.attempter = Attempter(device, holders=holders, free=self.pace.abandon)
 
     def capture(self, module, args, output):
         self.output = output
@@ -122,14 +128,18 @@ class _Evaluator:
         if progress:
             from tqdm.auto import tqdm
             bar = units = tqdm(units, desc="eval", leave=False)
+        cursor = Cursor(units, self.expect_like)
         try:
-            for index, first_sample, unit in units:
-                rows = rows_of(unit)
-                check_structure(unit, self.expect_like, index)
-                self.evaluate_unit(index, first_sample, unit, rows)
+            while True:
+                outcome = until_fits(partial(self.attempt, cursor),
+                                     partial(self.after_oom, cursor=cursor))
+                if outcome.value is None:
+                    break  # the data is done (on every rank)
+                self.accept(*outcome.value, cursor, outcome.peak)
         finally:
             if bar is not None:
                 bar.close()
+            self.pace.close()
         if self.samples == 0:
             raise ValueError("evaluation data yielded no batch; give at least one.")
         if self.weight_sum == 0:
@@ -139,30 +149,60 @@ class _Evaluator:
         return EvalResult(self.loss_sum / self.weight_sum, self.samples, self.final_rows,
                           self.attempts, metrics, self.weight_sum)
 
-    def evaluate_unit(self, index: int, first_sample: int, unit, rows: int) -> None:
-        pos = 0
-        while pos < rows:
-            first = first_sample + pos
-            outcome = until_fits(partial(self.attempt, unit, index, first, pos, rows),
-                                 partial(self.after_oom, index=index, first=first))
-            self.accept(*outcome.value, index, first, outcome.peak)
-            pos += self.trying
-
-    def attempt(self, unit, index: int, first: int, pos: int, rows: int):
-        """One forward of as many rows from `pos` as the sizer allows now."""
-        size = self.trying = self.sizer.rows(rows - pos, self.ceiling)
+    def attempt(self, cursor):
+        """One forward of as many rows of the current unit as the sizer allows now; None when the
+        data is done. Under a lockstep every rank agrees on the size first, and a rank whose data
+        is done runs one row of its own, dropped, so the ranks' forwards pair."""
+        failure, want = None, None
+        try:
+            left = cursor.remaining()
+            want = None if left is None else self.sizer.rows(left, self.ceiling)
+        except Exception as error:  # told to the other ranks, then raised
+            failure = error
+        try:
+            size = self.pace.size(want, failure)
+        finally:
+            failure = None
+        if size is None:
+            return Outcome(True, None)
         if size == 0:
             raise DoesNotFit(
-                f"evaluation of one row ran out of memory earlier (batch {index}) on "
+                f"evaluation of one row ran out of memory earlier (batch {cursor.index}) on "
                 f"{self.device.describe()}; free memory held outside the model (an old optimizer, "
                 f"outputs kept in a list) or evaluate with a larger budget.", attempts=self.attempts,
                 budget=self.device.budget)
+        self.trying = size
+        mine = min(want or 0, size)
+        part = cursor.take(mine) if mine else self._filler(cursor)
         self.device.reset_peak_memory_stats()
-        return self.attempter(lambda: self.forward(slice_batch(unit, pos, pos + size), index, first, size)
-                              + (size,), peak=self.device.max_memory_allocated)
+        return self.attempter(lambda: self.paced(part, cursor.index, cursor.first + cursor.pos, mine)
+                              + (mine, size), peak=self.device.max_memory_allocated)
 
-    def after_oom(self, outcome, index: int, first: int) -> bool:
-        size = self.trying
+    def _filler(self, cursor):
+        if cursor.filler is not None:
+            return cursor.filler
+        if self.expect_like is not None:
+            return slice_batch(self.expect_like, 0, 1)
+        raise ValueError("this rank's share of the evaluation data has no row, and a sharded model's "
+                         "forward must run on every rank; give every rank evaluation rows (at least "
+                         "as many rows as ranks).")
+
+    def paced(self, part, index: int, first: int, rows: int):
+        """`forward`, then the ranks' agreement on how it went (nothing in one process)."""
+        failure, value = None, (0.0, 0, None)
+        try:
+            with self.pace.forward():
+                value = self.forward(part, index, first, rows)
+        except Exception as error:  # noqa: BLE001 -- every rank hears of it, then it is raised
+            failure = error
+        try:
+            self.pace.after(failure)
+        finally:
+            failure = None
+        return value
+
+    def after_oom(self, outcome, cursor) -> bool:
+        size, index, first = self.trying, cursor.index, cursor.first + cursor.pos
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
         key = (index, first, size)  # as in training: the cache's holes replay the same size once
         if why := self.attempter.fragmented(outcome, key, self._retried):
@@ -182,12 +222,13 @@ class _Evaluator:
         return True
 
     def forward(self, part, index: int, first: int, size: int):
-        """One evaluation batch: (loss as a float, its weight, metrics). Allocates on the device."""
-        weight = self.count_tokens(part) if self.count_tokens is not None else None
+        """One evaluation batch of `size` rows (0: a filler row whose result is dropped): (loss as
+        a float, its weight, metrics). Allocates on the device."""
+        weight = self.count_tokens(part) if self.count_tokens is not None and size else None
         if weight is None:
             weight = size
         try:
-            with torch.inference_mode():
+            with self.pace.grad_mode():
                 part = self.device.to_device(part)
                 try:
                     loss = compute_loss(self.model, part, self.loss_fn)
@@ -195,7 +236,7 @@ class _Evaluator:
                     raise NoLossError(f"cannot evaluate {type(self.model).__name__}: {error}") from None
                 value = loss.float().item() if weight else 0.0  # a batch with no label token has no loss
                 del loss
-                metrics = self.metrics(part, index, first, size) if self.metric_fn is not None else None
+                metrics = self.metrics(part, index, first, size) if self.metric_fn is not None and size else None
         finally:
             self.output = None  # the hook's output of this forward, passed to metric_fn only
         return value, weight, metrics
@@ -221,28 +262,32 @@ class _Evaluator:
                               f"The model is back in its previous mode; fix the metric function or "
                               f"pass metric_fn=None.") from error
 
-    def accept(self, loss, weight, metrics, size, index, first, peak) -> None:
+    def accept(self, loss, weight, metrics, rows, size, cursor, peak) -> None:
+        """Count a forward that fitted: `rows` of this rank's data (0 for a filler) in an attempt
+        of `size` rows (the most any rank ran)."""
         self.sizer.ok(size)
         last = self.attempts[-1] if self.attempts else None
         if last is None or last.outcome == "oom":
-            self.attempts.append(EvalAttempt(size, "ok", self.reason, index, first, peak))
+            self.attempts.append(EvalAttempt(size, "ok", self.reason, cursor.index, cursor.first + cursor.pos,
+                                             peak))
             self.reason = "kept: fitted the previous evaluation batch"
         self.final_rows = max(self.final_rows, size)
+        cursor.advance(rows)
         if weight:
             self.loss_sum += loss * weight
             self.weight_sum += weight
         if metrics is not None:
             if self.samples and set(metrics) != set(self.metric_sums):
                 raise MetricError(f"metric_fn {_metric_name(self.metric_fn)} returned the keys "
-                                  f"{sorted(metrics)} on evaluation batch {index} but "
+                                  f"{sorted(metrics)} on evaluation batch {cursor.index} but "
                                   f"{sorted(self.metric_sums)} before; return the same keys every time.")
             for key, v in metrics.items():
-                self.metric_sums[key] = self.metric_sums.get(key, 0.0) + v * size
-        self.samples += size
+                self.metric_sums[key] = self.metric_sums.get(key, 0.0) + v * rows
+        self.samples += rows
 
 
 def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_fn=None, device=None,
-             start_batch_size=None, sizer=None, expect_like=None, progress=False) -> EvalResult:
+             start_batch_size=None, sizer=None, expect_like=None, progress=False, pace=None) -> EvalResult:
     """Evaluate `model` on `data` without training it; returns an EvalResult.
 
     - `batch_size`: the most rows one forward pass may take (and, without `start_batch_size`, the
@@ -256,6 +301,8 @@ def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_
       (as in autofit.run) and the model is placed on it.
     - `expect_like`: a training batch; each evaluation batch must have the same keys/arity.
     - `metric_fn(output, batch) -> dict[str, float]`: see the module docstring.
+    - `pace`: how evaluation keeps step with other ranks (autofit.recipes.eval_pace; a sharded
+      model's run passes autofit.distributed.eval_lockstep's); None: alone.
     The model's train/eval mode (each submodule's) is restored afterwards, also on error; parameters,
     gradients and the optimizer are never touched.
     """
@@ -281,7 +328,7 @@ def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_
     with opened as dev:
         if device is None:
             dev.place_model(model)
-        evaluator = _Evaluator(model, dev, loss_fn, metric_fn, sizer, batch_size, expect_like, reason)
+        evaluator = _Evaluator(model, dev, loss_fn, metric_fn, sizer, batch_size, expect_like, reason, pace)
         hook = model.register_forward_hook(evaluator.capture) if metric_fn is not None else None
         model.eval()
         try:

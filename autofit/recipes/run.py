@@ -88,8 +88,6 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
         eval_data = check_eval_data(eval_data, expect_like=first, epochs=epochs)
 
     with training:
-        if eval_data is not None:  # refused before any training, not after the first epoch
-            training.refuse_sharded_evaluation()
         tuned = None
         if tune_options is not None:
             tuned = tune_for_run(tune_options, device=training.device, model=training.model,

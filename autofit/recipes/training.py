@@ -13,7 +13,6 @@ and agrees with itself, so the recipe reads the same with one rank or many.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import sys
 
@@ -23,14 +22,17 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
-from autofit.distributed.fsdp import is_sharded, shard as shard_model
+from autofit.gpu.memory import by_kind
+from autofit.gpu.oom import collect
+from autofit.distributed.fsdp import is_sharded, shard as shard_model, user_reshard_after_forward
+from autofit.distributed.eval_lockstep import ShardedEvaluation
 from autofit.distributed.local import Local
 from autofit.distributed.lockstep import open_lockstep
 from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
-from autofit.plans.ladder import SizeLog, as_move
+from autofit.plans.ladder import SizeLog, as_move, sharded as sharded_ladder
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
@@ -96,6 +98,7 @@ class Training:
             self.coupling = Coupling(model, self.allow_split)  # says so once when a split would matter
             self.optimizer, self.own_optimizer = build_optimizer(self.optimizer_given, model)
             device.place_optimizer(self.optimizer)  # a warm optimizer's state counts against the budget
+            self.outside_before = self._outside()  # what the end's collection need not go below
             self.scheduler = build_scheduler(self.scheduler_given, self.optimizer)
             if device.type in getattr(precisions.REGISTRY.get(self.precision), "slow_on", ()):
                 log.info("%s autocast is far slower than the other precisions on %s; it is honoured as asked",
@@ -160,10 +163,17 @@ class Training:
                     "start: the whole global batch at once", 0.0)
         # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
         start, reason, settle_within = lockstep.agree_start(choose, sizes)
+        if lockstep.sharded is not None and start.reshard_after_forward is None:
+            # FSDP2's setting made explicit (the model's own), so the ladder can step from it
+            start = start.replace(reshard_after_forward=user_reshard_after_forward(model))
         start, reason = self.coupling.start(start, reason, first_rows)
         moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
+        if lockstep.sharded is not None and self.user_ladder is None:
+            moves = sharded_ladder(moves)  # FSDP2's own moves first
+        # A sharded model's forwards communicate: its probe runs on every rank at once, agreed.
+        call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
         weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
-                                   probe=lockstep.sharded is None)
+                                   probe=lockstep.sharded is None, call=call)
         count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
@@ -171,7 +181,10 @@ class Training:
             self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
         else:
             sync = lockstep.sharded.sync if lockstep.sharded is not None else None  # FSDP's gradient sync
-            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync, **options)
+            # A loss_fn that takes num_items_in_batch is told the global count (all ranks' shares).
+            told = weighting if self.loss_fn is not None and weighting.pass_items else None
+            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync,
+                                                weighting=told, **options)
         self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
                                      quiet=not self.progress, settle_within=settle_within,
                                      guide=self.guide)
@@ -197,26 +210,21 @@ class Training:
         self.samples += lockstep.global_rows  # the global batch's rows, every rank's share counted
         return loss
 
-    def refuse_sharded_evaluation(self) -> None:
-        """Evaluation of an FSDP2-sharded model is refused, the same way on every rank and before
-        any collective: each forward all-gathers, so ranks whose evaluation shares differ in batch
-        count, or one rank stepping down its evaluation batch after an OOM, would leave the others
-        waiting in a gather for ever. A refusal beats a hang until evaluation has its own agreements."""
-        if is_sharded(self.model):
-            raise ValueError(f"evaluation of a model sharded with fully_shard ({type(self.model).__name__}) "
-                             "is not supported by autofit yet: its forward all-gathers on every rank, "
-                             "and one rank's evaluation ladder could leave the others waiting. Evaluate "
-                             "in your own loop with the same number of batches on every rank, or "
-                             "train without shard=/fully_shard.")
-
     def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
         """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
-        (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan."""
-        self.refuse_sharded_evaluation()
+        (first EVAL_START_FACTOR training micro-batches, then what worked), never the training plan.
+        A sharded model's ranks evaluate in lockstep (autofit.distributed.eval_lockstep)."""
+        pace = None
+        if is_sharded(self.model):
+            if self.lockstep.sharded is None:  # the same on every rank, before any collective
+                raise ValueError(f"evaluation of a model sharded with fully_shard ({type(self.model).__name__}) "
+                                 "needs the ranks' first agreement, made by the first training step; "
+                                 "call step(batch) once before step.evaluate(...).")
+            pace = ShardedEvaluation(self.lockstep)
         start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
         done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn,
                         metric_fn=metric_fn, device=self.device, sizer=self.sizer,
-                        expect_like=expect_like, progress=progress, start_batch_size=start)
+                        expect_like=expect_like, progress=progress, start_batch_size=start, pace=pace)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
     def explain_refusal(self, error: DoesNotFit) -> None:
@@ -265,6 +273,17 @@ class Training:
             self.controller.runner = None
         if self.guide is not None:
             self.guide.estimator = None  # its fake copies of the model and optimizer
-        gc.collect()
+        # Collected only while the device holds more outside the model and optimizer than before
+        # the run (a full collection costs 0.2-0.9 s with transformers loaded): gpu.oom.collect.
+        before = getattr(self, "outside_before", None)
+        collect(None if before is None else lambda: self._outside() <= before)
         self.device.empty_cache()
+
+    def _outside(self) -> int | None:
+        """Device bytes held outside the model's parameters, buffers and gradients and the
+        optimizer's state; None on a device that counts nothing."""
+        if not self.device.counts:
+            return None
+        held = by_kind(self.device, self.model, self.optimizer)
+        return self.device.memory_allocated() - held["params"] - held["grads"] - held["optimizer"]
 
