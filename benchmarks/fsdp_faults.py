@@ -138,7 +138,7 @@ def _worker(rank, init_file, out_dir, positions):
         out["rows"].append(row)
         print(f"rank {rank} {position}: {row['outcome']} {row['seconds']:.1f} s {row.get('message', '')[:90]}",
               file=sys.stderr, flush=True)
-        if row["seconds"] > out["clean_seconds"] + 2 * LIMIT_S:
+        if row["seconds"] > out["clean_seconds"] + LIMIT_S:
             break  # the group is probably broken; the parent reports it
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
