@@ -188,6 +188,13 @@ def _worker(rank_, init_file, out_dir):
                  a.plan.reduce_each_micro_batch, a.outcome] for a in result.attempts]
     seen, saved = {}, {}
     batches = cls_batches(2, rows=2 * PER_RANK, seed=4)
+    # Estimated on every rank (each as rank 0 of the estimator's fake world) BEFORE any real FSDP
+    # work with the same shapes: DTensor caches plans keyed by the device mesh, and a mesh equal to
+    # the real one would hand rank 1 the fake rank 0's plans (the ranks' parameters then differ).
+    from autofit.estimator.sharded import estimate_sharded
+    mine = {k: v[rank_ * PER_RANK:(rank_ + 1) * PER_RANK] for k, v in batches[0].items()}
+    kept = estimate_sharded(bert(hidden=64), WORLD, Plan(8, reshard_after_forward=False), mine,
+                            device_type="cpu").peak_bytes
 
     # 1. The user sharded with reshard_after_forward=False; rank 1's budget lies between the second
     # step's peaks of 8 x 2 resharding (fails) and 8 x 2 with a reduce-scatter per micro-batch
@@ -208,13 +215,9 @@ def _worker(rank_, init_file, out_dir):
                                g.post_forward_mesh_info is None for u in (model.bert.encoder.layer[0], model)
                                for g in u._get_fsdp_state()._fsdp_param_groups]]}
         saved["budgets"] = _full(model)
-    mine = {k: v[rank_ * PER_RANK:(rank_ + 1) * PER_RANK] for k, v in batches[0].items()}
 
     # 2. shard=True: the capacity check prices FSDP's settings for the model autofit sharded; with
     # room it keeps gathered parameters, with a budget below that plan's predicted peak it reshards.
-    from autofit.estimator.sharded import estimate_sharded
-    kept = estimate_sharded(bert(hidden=64), WORLD, Plan(8, reshard_after_forward=False), mine,
-                            device_type="cpu").peak_bytes
     # With gathered parameters kept, an evaluation between epochs (no backward to reshard them)
     # runs in lockstep and leaves training as it was.
     for name, budget in (("roomy", "256MiB"), ("tight", kept - 1)):

@@ -163,7 +163,11 @@ def _fake_world(world_size: int):
     world = c10d._World()
     with _entered(world):
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
-        mesh = init_device_mesh("cpu", (world_size,))
+        # A named mesh, never equal to a job's: DTensor caches plans keyed by the mesh (its equality
+        # ignores the rank and the group), and this world is rank 0 on every process, so a mesh
+        # equal to the job's would hand rank r the fake rank 0's redistribution plans (measured: a
+        # sharded run after an estimate on rank 1 ended with the ranks' parameters different).
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("autofit_estimate",))
     return world, mesh
 
 
