@@ -3,6 +3,8 @@ that a DistributedSampler shares out, a half-applied optimizer step, and a rank'
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -68,3 +70,26 @@ def timed(fn) -> dict:
     except Exception as error:  # noqa: BLE001 - the scenario is about which error each rank gets
         return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
     return {"value": value, "seconds": time.monotonic() - start}
+
+
+def save_rank(out_dir: str, rank: int, seen: dict, saved: dict) -> None:
+    """What a spawned rank reports: `seen` (JSON) and `saved` tensors (torch.save) under `out_dir`."""
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
+
+
+def ranks_results(worker, out, world: int, timeout: float) -> tuple[list, list]:
+    """Spawn `world` ranks of `worker(rank, init_file, out_dir)`, require each to exit 0 in time, and
+    read back what each saved with `save_rank`."""
+    codes, killed = spawn_ranks(worker, lambda r: (r, str(out / "init"), str(out)), world, timeout)
+    assert not killed, f"ranks {killed} still running after {timeout} s"
+    assert codes == [0] * world, f"exit codes {codes}"
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    params = [torch.load(out / f"params{r}.pt", weights_only=True) for r in range(world)]
+    return seen, params
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -93,11 +93,10 @@ def test_the_cache_key_holds_the_world_size_and_the_sharding():
 
 
 # -- two gloo ranks -----------------------------------------------------------------------------
-import json  # noqa: E402
 import os  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
-from spawn import FlakyAdamW, Samples, sampler, spawn_ranks, timed  # noqa: E402
+from spawn import FlakyAdamW, Samples, max_diff, ranks_results, sampler, save_rank, timed  # noqa: E402
 
 WORLD, PER_RANK = 2, 8          # rows of each rank's share; a global batch has 16
 SLOWEST_ERROR_EXIT = 30.0       # seconds; the process group's timeout is 60 s, so a hang would show
@@ -234,21 +233,13 @@ def _worker(rank, init_file, out_dir):
     seen["no_tokens"] = timed(lambda: [h["samples"] for h in run(model, mine).history])
     saved["no_tokens"] = _full(model)
 
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
+    save_rank(out_dir, rank, seen, saved)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out)), WORLD, PROCESS_TIMEOUT)
-    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
-    assert codes == [0] * WORLD, f"exit codes {codes}"
-    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
-    return seen, params
+    return ranks_results(_worker, tmp_path_factory.mktemp("fsdp"), WORLD, PROCESS_TIMEOUT)
 
 
 def _loop(batches, micro_sizes, make_model=None, tokens=False):
@@ -271,10 +262,6 @@ def _loop(batches, micro_sizes, make_model=None, tokens=False):
     return model.state_dict()
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_process(ranks):
     (r0, r1), (p0, p1) = ranks
     for seen in (r0, r1):
@@ -285,7 +272,7 @@ def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_proc
         assert seen["sampled"]["sharding"] == {"sharding": "fsdp2", "units": [
             "", "bert.encoder.layer.0", "bert.encoder.layer.1"]}
     assert [a[3] for a in r1["sampled"]["attempts"] if a[2] == "oom"] == ["forward", "backward"]
-    assert _max_diff(p0["sampled"], p1["sampled"]) == 0
+    assert max_diff(p0["sampled"], p1["sampled"]) == 0
     samples = _Samples()
     batches = []
     for epoch in range(2):
@@ -294,7 +281,7 @@ def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_proc
         batches += [torch.utils.data.default_collate([samples[j] for r in range(WORLD)
                                                       for j in orders[r][i:i + PER_RANK]])
                     for i in range(0, len(samples) // WORLD, PER_RANK)]
-    assert _max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
+    assert max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
 
 
 def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
@@ -307,11 +294,11 @@ def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
     oom1 = [a[3] for a in r1["budgets"]["attempts"] if a[2] == "oom"]
     assert all(text.startswith("out of memory on another rank (rank 1") for text in oom0)
     assert all(not text.startswith("out of memory on another rank") for text in oom1)  # its own
-    assert _max_diff(p0["budgets"], p1["budgets"]) == 0
+    assert max_diff(p0["budgets"], p1["budgets"]) == 0
     for seen in (r0, r1):  # models made on the simulated GPUs: their meshes are no leak
         assert (seen["budgets"]["leaks"], seen["budgets"]["scans"]) == ([], 0)
     batches = cls_batches(3, rows=16, seed=4)
-    assert _max_diff(p0["budgets"], _loop(batches, r0["budgets"]["micro"])) <= 1e-5
+    assert max_diff(p0["budgets"], _loop(batches, r0["budgets"]["micro"])) <= 1e-5
 
 
 def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks):
@@ -321,10 +308,10 @@ def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks)
     assert first0[:4] == first1[:4] == [0, 16 // WORLD, "oom", "optimizer.step"]
     assert "rank 1" in first0[4] and "rolled back" in first0[4]
     assert [a[:3] for a in r0["step_oom"]["attempts"]] == [a[:3] for a in r1["step_oom"]["attempts"]]
-    assert _max_diff(p0["step_oom"], p1["step_oom"]) == 0
+    assert max_diff(p0["step_oom"], p1["step_oom"]) == 0
     micro = [a[1] for a in r0["step_oom"]["attempts"] if a[2] == "ok"]
     # No update applied twice on either rank's shard.
-    assert _max_diff(p0["step_oom"], _loop(cls_batches(2, rows=16), micro)) <= 1e-5
+    assert max_diff(p0["step_oom"], _loop(cls_batches(2, rows=16), micro)) <= 1e-5
 
 
 def test_a_non_oom_error_on_one_rank_of_a_sharded_model_ends_both_promptly(ranks):
@@ -349,7 +336,7 @@ def test_shard_true_wraps_each_block_and_the_root(ranks):
         assert seen["shard"]["attempts"] == [[0, 8, "ok"], [1, 8, "ok"]]
         assert seen["shard_instance"]["error"] == "ValueError"
         assert "pass a factory" in seen["shard_instance"]["message"]
-    assert _max_diff(p0["shard"], _loop(cls_batches(2, rows=16), [8, 8])) <= 1e-5
+    assert max_diff(p0["shard"], _loop(cls_batches(2, rows=16), [8, 8])) <= 1e-5
 
 
 def test_a_rank_whose_share_has_no_label_token_trains_on_the_global_count(ranks):
@@ -359,5 +346,5 @@ def test_a_rank_whose_share_has_no_label_token_trains_on_the_global_count(ranks)
         assert seen["no_tokens"]["value"] == [16, 16]
     batches = lm_batches(2, rows=16)
     batches[0]["labels"][PER_RANK:] = -100
-    assert _max_diff(p0["no_tokens"], p1["no_tokens"]) == 0
-    assert _max_diff(p0["no_tokens"], _loop(batches, [PER_RANK, PER_RANK], gpt2, tokens=True)) <= 1e-5
+    assert max_diff(p0["no_tokens"], p1["no_tokens"]) == 0
+    assert max_diff(p0["no_tokens"], _loop(batches, [PER_RANK, PER_RANK], gpt2, tokens=True)) <= 1e-5

@@ -5,7 +5,6 @@ and an error in one rank's evaluation."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from datetime import timedelta
@@ -13,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from spawn import spawn_ranks, timed
+from spawn import max_diff, ranks_results, save_rank, timed
 
 WORLD, PER_RANK = 2, 8
 EVAL_ROWS = (7, 1, 5)       # rows of the evaluation batches: rank 0 gets 3, 0, 2; rank 1 gets 4, 1, 3
@@ -197,25 +196,13 @@ def _worker(rank, init_file, out_dir):
     seen["error"] = timed(lambda: run(model, cls_batches(1, rows=2 * PER_RANK), eval_data=_eval_batches(),
                                       loss_fn=loss_fn))
 
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
+    save_rank(out_dir, rank, seen, saved)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_eval")
-    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out)), WORLD, PROCESS_TIMEOUT)
-    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
-    assert codes == [0] * WORLD, f"exit codes {codes}"
-    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
-    return seen, params
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return ranks_results(_worker, tmp_path_factory.mktemp("fsdp_eval"), WORLD, PROCESS_TIMEOUT)
 
 
 def test_ranks_with_unequal_rows_evaluate_in_lockstep_and_step_down_together(ranks):
@@ -231,7 +218,7 @@ def test_ranks_with_unequal_rows_evaluate_in_lockstep_and_step_down_together(ran
     # the failed one before them): the same count on both.
     assert r0["eval"]["forwards"] == r1["eval"]["forwards"] == 1 + 5
     assert r0["eval"]["history"] == r1["eval"]["history"]
-    assert _max_diff(p0["eval"], p1["eval"]) == 0
+    assert max_diff(p0["eval"], p1["eval"]) == 0
     model = bert(dropout=0.1)
     model.load_state_dict(p0["eval"])
     whole = autofit.evaluate(model, _eval_batches(), metric_fn=_accuracy)
@@ -268,9 +255,9 @@ def test_a_micro_batch_without_label_tokens_contributes_exactly_nothing(ranks):
         assert seen["zero_labels"]["attempts"] == [[0, 8, "oom"], [0, 4, "ok"], [1, 6, "ok"]]
         assert all(math.isfinite(loss) for loss in seen["zero_labels"]["losses"])
     assert r0["zero_labels"]["losses"] == r1["zero_labels"]["losses"]
-    assert _max_diff(p0["zero_labels"], p1["zero_labels"]) == 0
+    assert max_diff(p0["zero_labels"], p1["zero_labels"]) == 0
     batches, _ = _token_shares(0)
-    assert _max_diff(p0["zero_labels"], _token_loop(batches, [4, 6])) <= 1e-5
+    assert max_diff(p0["zero_labels"], _token_loop(batches, [4, 6])) <= 1e-5
 
 
 def test_a_sharded_causal_lm_weighs_its_shifted_label_tokens(ranks):
@@ -278,7 +265,7 @@ def test_a_sharded_causal_lm_weighs_its_shifted_label_tokens(ranks):
     (r0, r1), (p0, p1) = ranks
     assert r0["causal"]["losses"] == r1["causal"]["losses"]
     assert all(math.isfinite(loss) for loss in r0["causal"]["losses"])
-    assert _max_diff(p0["causal"], p1["causal"]) == 0
+    assert max_diff(p0["causal"], p1["causal"]) == 0
     batches = lm_batches(2, rows=2 * PER_RANK)
     batches[0]["labels"][PER_RANK:] = -100
     model = gpt2()
@@ -291,16 +278,16 @@ def test_a_sharded_causal_lm_weighs_its_shifted_label_tokens(ranks):
                 (model(**part).loss * (count(part) / count(batch))).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    assert _max_diff(p0["causal"], model.state_dict()) <= 1e-5
+    assert max_diff(p0["causal"], model.state_dict()) <= 1e-5
 
 
 def test_a_user_token_loss_with_text_fields_equals_the_token_weighted_loop(ranks):
     (r0, r1), (p0, p1) = ranks
     assert r0["loss_fn"]["losses"] == r1["loss_fn"]["losses"]
     assert all(math.isfinite(loss) for loss in r0["loss_fn"]["losses"])
-    assert _max_diff(p0["loss_fn"], p1["loss_fn"]) == 0
+    assert max_diff(p0["loss_fn"], p1["loss_fn"]) == 0
     batches, _ = _token_shares(0)
-    assert _max_diff(p0["loss_fn"], _token_loop(batches, [PER_RANK, PER_RANK])) <= 1e-5
+    assert max_diff(p0["loss_fn"], _token_loop(batches, [PER_RANK, PER_RANK])) <= 1e-5
 
 
 def test_an_error_in_one_ranks_evaluation_ends_both_promptly(ranks):

@@ -1,7 +1,6 @@
 """FSDP2's own moves: reshard_after_forward and a reduce-scatter per micro-batch, as plan fields, on
 the ladder, priced by the capacity check, applied to the live sharded model on every rank alike."""
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -19,7 +18,7 @@ from autofit.plans.plan import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import bert, cls_batches, plain_loop  # noqa: E402
-from spawn import spawn_ranks  # noqa: E402
+from spawn import max_diff, ranks_results, save_rank  # noqa: E402
 
 WORLD, PER_RANK = 2, 8
 PROCESS_TIMEOUT = 300
@@ -238,25 +237,13 @@ def _worker(rank_, init_file, out_dir):
     seen["user_true"] = {"choices": list(reshard_choices(model)), "refused": not_applicable(
         Plan(8, reshard_after_forward=False), model, opt, CpuDevice())}
 
-    with open(os.path.join(out_dir, f"rank{rank_}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.save(saved, os.path.join(out_dir, f"params{rank_}.pt"))
+    save_rank(out_dir, rank_, seen, saved)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_moves")
-    codes, killed = spawn_ranks(_worker, lambda r: (r, str(out / "init"), str(out)), WORLD, PROCESS_TIMEOUT)
-    assert not killed, f"ranks {killed} still running after {PROCESS_TIMEOUT} s"
-    assert codes == [0] * WORLD, f"exit codes {codes}"
-    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    params = [torch.load(out / f"params{r}.pt") for r in range(WORLD)]
-    return seen, params
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return ranks_results(_worker, tmp_path_factory.mktemp("fsdp_moves"), WORLD, PROCESS_TIMEOUT)
 
 
 def test_fsdp_moves_on_two_ranks(ranks):
@@ -297,5 +284,5 @@ def test_fsdp_moves_on_two_ranks(ranks):
     for name, data in (("budgets", cls_batches(2, rows=4 * PER_RANK, seed=4)),
                        ("roomy", cls_batches(2, rows=2 * PER_RANK, seed=4)),
                        ("tight", cls_batches(2, rows=2 * PER_RANK, seed=4))):
-        assert _max_diff(p0[name], p1[name]) == 0
-        assert _max_diff(p0[name], plain_loop(bert(hidden=64), data, [8, 8]).state_dict()) <= 1e-5, name
+        assert max_diff(p0[name], p1[name]) == 0
+        assert max_diff(p0[name], plain_loop(bert(hidden=64), data, [8, 8]).state_dict()) <= 1e-5, name
