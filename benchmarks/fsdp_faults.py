@@ -8,7 +8,10 @@ simulated GPU and gets, at one position per run:
   sharding, the first agreement, the capacity check, each unit's forward gather, the backward
   gathers and reduce-scatters, the end-of-backward callback, the optimizer step on shards, the end;
 - `<where> k`: a ValueError at the k-th call of the loss function, of a block's forward pre-hook or
-  backward pre-hook, of the optimizer's step or of the scheduler's step, every k of a clean run.
+  backward pre-hook, of the optimizer's step or of the scheduler's step, or where FSDP allocates a
+  collective's buffer (an all-gather's output: `gather`; a reduce-scatter's input and output: `reduce`), every
+  k of a clean run. The allocation counts at those calls mark the buffers' own allocations, so a
+  fault there is among the `alloc` positions the test picks.
 Rank 0 runs the same job with no fault. Each position must end on both ranks within seconds as
 - `recovered`: both finished with the same attempts, an OOM among them (replayed);
 - `unaffected`: both finished, no OOM (the fault hit nothing the run still needed);
@@ -36,7 +39,7 @@ from autofit.diagnosis.report import table
 
 WORLD = 2
 LIMIT_S = 10.0  # how much longer than a clean run a position may take to end, on both ranks
-ERRORS = ("loss", "forward", "backward", "step", "scheduler")
+ERRORS = ("loss", "forward", "backward", "step", "scheduler", "gather", "reduce")
 
 
 def _model():
@@ -97,13 +100,39 @@ def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
             return step(*a, **k)
         sched.step = checked
         return sched
-    with autofit.simulate_gpu(budget) as gpu:
+    with autofit.simulate_gpu(budget) as gpu, _marking_collectives(fault):
         fault.gpu = gpu
         if fail_at is not None:
             gpu.fail_at(fail_at)
         result = autofit.run(model, data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
                              precision="fp32", progress=False, cache=False, shard=True)
         return result, gpu.allocation_count
+
+
+class _marking_collectives:
+    """FSDP's default comms call `fault` where they allocate a collective's buffer (instrumentation:
+    the job itself keeps FSDP's comms, which autofit wraps)."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def __enter__(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as c
+        self.saved = []
+        for cls, where in ((c.DefaultAllGather, "gather"), (c.DefaultReduceScatter, "reduce")):
+            original = cls.allocate
+            self.saved.append((cls, original))
+
+            def allocate(comm, size, *, dtype, device, _original=original, _where=where):
+                self.fault(_where)
+                return _original(comm, size, dtype=dtype, device=device)
+            cls.allocate = allocate
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self.saved:
+            cls.allocate = original
+        return False
 
 
 def _attempt(position, injected: bool, **options) -> dict:

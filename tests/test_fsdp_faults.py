@@ -22,28 +22,34 @@ PROCESS_TIMEOUT = 240
 SLOWEST_END = 15.0  # seconds per position; the process group's timeout is 20 s, so a hang shows
 # Faults in a training attempt (the loss's forward, the block's forward, backward, the optimizer
 # step) are replayed; before the first agreement (sharding) and non-OOM errors are announced.
+# An OOM at the allocation of a collective's own buffer (FSDP's all-gather output, reduce-scatter
+# input and output) is replayed too: the agreement sits after it, inside the collective.
+ALLOCS = ("loss", "forward", "backward", "step", "gather", "reduce")
+ERRORS = ("loss", "forward", "backward", "step", "scheduler")
 EXPECTED = [["alloc: first (sharding)", "announced"]] + \
-    [[f"alloc: {where} {which}", "recovered"] for where in ("loss", "forward", "backward", "step")
-     for which in ("first", "last")] + [["alloc: last of the run", "recovered"]] + \
-    [[f"{where} {which}", "announced"] for where in ("loss", "forward", "backward", "step", "scheduler")
-     for which in ("first", "last")]
+    [[f"alloc: {where} {which}", "recovered"] for where in ALLOCS for which in ("first", "last")] + \
+    [["alloc: last of the run", "recovered"]] + \
+    [[f"{where} {which}", "announced"] for where in ERRORS for which in ("first", "last")] + \
+    [["gather first", "announced"], ["reduce last", "announced"]]
 
 
 def _positions(clean: dict) -> list:
     """Deterministic positions from a clean run's marks (allocation counts at each call), each
     [name, position]: the first allocation of the run (sharding), the allocation right after each
     place's first and last call (the forward gathers after the loss is called and the block's
-    forward starts, the backward gathers and reduce-scatters, the optimizer step on shards), the
-    last allocation of the run; a ValueError at the first and last call of every place."""
+    forward starts, the backward gathers and reduce-scatters, the optimizer step on shards) and
+    FSDP's own buffers for a collective (the first and last all-gather output, reduce-scatter
+    input/output), the last allocation of the run; a ValueError at the first and last call of
+    every place, and where FSDP allocates the first gather's and the last reduce-scatter's buffer."""
     marks, total = clean["marks"], clean["allocations"]
     out = [["alloc: first (sharding)", ["alloc", 0]]]
-    for where in ("loss", "forward", "backward", "step"):
+    for where in ALLOCS:
         out += [[f"alloc: {where} first", ["alloc", marks[where][0]]],
                 [f"alloc: {where} last", ["alloc", marks[where][-1]]]]
     out.append(["alloc: last of the run", ["alloc", total - 1]])
-    for where, calls in clean["calls"].items():
-        out += [[f"{where} first", [where, 1]], [f"{where} last", [where, calls]]]
-    return out
+    for where in ERRORS:
+        out += [[f"{where} first", [where, 1]], [f"{where} last", [where, clean["calls"][where]]]]
+    return out + [["gather first", ["gather", 1]], ["reduce last", ["reduce", clean["calls"]["reduce"]]]]
 
 
 def _worker(rank, init_file, out_dir):

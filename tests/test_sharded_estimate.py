@@ -94,7 +94,7 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     from autofit.distributed.fsdp import Sharded
     checks = []
     switches = Sharded(model)
-    switches.guard(lambda size, device: checks.append(size))
+    switches.guard(lambda: checks.append(1))
     switches.arm(True)
     assert autofit.estimate(model, bert_batch, plan, device_type="cpu").peak_bytes == expected.peak_bytes
     assert checks == []

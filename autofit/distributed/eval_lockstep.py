@@ -9,7 +9,7 @@ has left; none when its share is done): the attempt's size is the most any rank 
 rank runs its own rows up to it, or, once its share is done while others still have rows, one row
 of its own data whose result is dropped, so the gathers pair. When no rank has rows left, evaluation
 ends on every rank at the same forward. Inside the forward the guards of autofit.distributed.fsdp_guard
-hold an agreement before each unit's gather, and after it every rank says how it went: an OOM on
+hold an agreement inside each unit's gather, and after it every rank says how it went: an OOM on
 any rank makes every rank drop the attempt (FSDP's units resharded) and halve its size alike, since
 each records the same size; any other error ends every rank, the failing one with its own error,
 the others with RankFailed naming it.
@@ -55,9 +55,8 @@ class ShardedEvaluation:
     def forward(self):
         """Around one forward: an agreement before each of FSDP's gathers (in evaluation's phase, so
         it meets a failed rank's `after`)."""
-        lock, guards = self.lock, self.sharded.guards
+        lock = self.lock
         lock.attempt_plan, lock.attempt_agreed, lock.attempt_phase = None, False, EVALUATE
-        guards.reducing = False  # no backward: nothing is reduce-scattered
         self.sharded.arm(True)
         try:
             yield

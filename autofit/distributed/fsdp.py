@@ -179,8 +179,8 @@ class Sharded:
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
     def guard(self, check) -> None:
-        """Hold `check(bytes, device)`, the lockstep's agreement, in front of each of FSDP's
-        collectives while armed (autofit.distributed.fsdp_guard)."""
+        """Hold `check()`, the lockstep's agreement, inside each of FSDP's collectives (after its
+        buffers are allocated, before it runs) while armed (autofit.distributed.fsdp_guard)."""
         from autofit.distributed.fsdp_guard import Guards
         self.guards = Guards(self.model, self.units, check)
 
@@ -223,8 +223,6 @@ class Sharded:
         reduce = last or self.reduce_each
         for unit in self.units:
             unit.set_requires_gradient_sync(reduce, recurse=False)
-        if self.guards is not None:
-            self.guards.reducing = reduce
         return _NULL
 
     def abandon(self) -> None:

@@ -62,11 +62,11 @@ A model sharded with FSDP2's `fully_shard` (or by `shard=True`, autofit.distribu
 as it is: its parameters stay each rank's shards, FSDP gathers them per unit in forward and
 backward and reduce-scatters the gradients (summed: autofit weights the micro-batches) in the
 last micro-batch's backward, with gradient sync off before it. FSDP's collectives cannot sit
-after one agreement per attempt, so there is one in front of each of them
-(autofit.distributed.fsdp_guard): each unit's gather in forward and in backward (with the unit FSDP
-prefetches), each reduce-scatter, the reduce at the end of backward; room for what the collective
-allocates is made first, so the collective itself cannot run out of memory. A rank that failed
-meets the others there at its own agreement after backward, and every rank drops the attempt;
+after one agreement per attempt, so there is one inside each of them (autofit.distributed.fsdp_guard):
+each unit's gather in forward and in backward (and the one FSDP prefetches), each reduce-scatter,
+after FSDP allocated the collective's buffers and before it runs, so nothing between the agreement
+and the collective can fail. A rank that failed (that allocation included) meets the others there
+at its own agreement after backward, and every rank drops the attempt;
 FSDP's state is put back to sharded and idle, its unsharded accumulated gradients dropped.
 The agreements of a sharded run use a gloo group of their own, so they never trade data with
 FSDP's collectives.
@@ -193,7 +193,7 @@ class Lockstep(Deciding, Agreement):
         self.replicas.refresh()  # shard=True made DTensors of the parameters since the lockstep opened
         self.sharded = Sharded(self.module) if is_sharded(self.module) else None
         if self.sharded is not None:
-            self.sharded.guard(self._before_gather)
+            self.sharded.guard(self._before_collective)
         self.sampler = None if dataset else distributed_sampler(data)
         if self.sampler is not None and (self.sampler.num_replicas, self.sampler.rank) != (self.world, self.rank):
             raise ValueError(f"the DataLoader's DistributedSampler is for rank {self.sampler.rank} of "
@@ -302,20 +302,13 @@ class Lockstep(Deciding, Agreement):
             self.sharded.close()
 
     # -- FSDP ------------------------------------------------------------------------------------
-    def _before_gather(self, size: int, device) -> None:
-        """Before an FSDP unit all-gathers in forward: room for its gathered parameters is made (and
-        freed again, so the gather reuses it), then every rank agrees that the attempt goes on. A
-        rank that failed earlier is at its agreement after backward and meets this one, so both stop;
-        `attempt_agreed` tells the step runner that this attempt's agreement has been held."""
-        failure = None
-        try:
-            if size:
-                room = torch.empty(size, dtype=torch.uint8, device=device)
-                del room
-        except Exception as error:
-            failure = error
+    def _before_collective(self) -> None:
+        """Inside each of FSDP's collectives, after it allocated its buffers and before it runs:
+        every rank agrees that the attempt goes on. A rank that failed earlier (its allocation for
+        this collective included) is at its agreement after backward and meets this one, so both
+        stop; `attempt_agreed` tells the step runner that this attempt's agreement has been held."""
         self.attempt_agreed = True
-        self.agree(self.attempt_phase, failure, plan=self.attempt_plan, host=self._host)
+        self.agree(self.attempt_phase, plan=self.attempt_plan, host=self._host)
         self.attempt_agreed = False
 
     def agreed_step(self, step_fn, plan: Plan):
