@@ -9,13 +9,16 @@ simulated GPU and gets, at one position per run:
   gathers and reduce-scatters, the end-of-backward callback, the optimizer step on shards, the end;
 - `<where> k`: a ValueError at the k-th call of the loss function, of a block's forward pre-hook or
   backward pre-hook, of the optimizer's step or of the scheduler's step, or where FSDP allocates a
-  collective's buffer (an all-gather's output: `gather`; a reduce-scatter's input and output: `reduce`), every
-  k of a clean run. The allocation counts at those calls mark the buffers' own allocations, so a
-  fault there is among the `alloc` positions the test picks.
+  collective's buffer (an all-gather's output: `gather`; a reduce-scatter's input and output:
+  `reduce`), or where a gather's copy-out gives one parameter its unsharded storage (`unshard`),
+  every k of a clean run (at most MOST_CALLS per place, evenly). The allocation counts at those
+  calls mark the buffers' own allocations, so a fault there is among the `alloc` positions the
+  test picks.
 Rank 0 runs the same job with no fault. Each position must end on both ranks within seconds as
 - `recovered`: both finished with the same attempts, an OOM among them (replayed);
 - `unaffected`: both finished, no OOM (the fault hit nothing the run still needed);
 - `announced`: rank 1 raised its own error, rank 0 `RankFailed` naming it.
+`--faulty 0` injects on rank 0 instead (the rank that decides the start: capacity check, cache).
 Anything else (another error, a slow end, a process killed by a signal) is FAILED. The process
 group's timeout is 20 s, so a hang shows as a slow position.
 
@@ -39,7 +42,8 @@ from autofit.diagnosis.report import table
 
 WORLD = 2
 LIMIT_S = 10.0  # how much longer than a clean run a position may take to end, on both ranks
-ERRORS = ("loss", "forward", "backward", "step", "scheduler", "gather", "reduce")
+ERRORS = ("loss", "forward", "backward", "step", "scheduler", "gather", "reduce", "unshard")
+MOST_CALLS = 30  # ValueError positions per place at most (evenly over its calls): `unshard` has hundreds
 
 
 def _model():
@@ -110,18 +114,27 @@ def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
 
 
 class _marking_collectives:
-    """FSDP's default comms call `fault` where they allocate a collective's buffer (instrumentation:
-    the job itself keeps FSDP's comms, which autofit wraps)."""
+    """FSDP's default comms call `fault` where they allocate a collective's buffer, and each
+    parameter's copy-out where it allocates its unsharded storage (instrumentation: the job itself
+    keeps FSDP's comms, which autofit wraps)."""
 
     def __init__(self, fault):
         self.fault = fault
 
     def __enter__(self):
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as c
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         self.saved = []
+        unshard = FSDPParam.alloc_all_gather_outputs
+        self.saved.append((FSDPParam, "alloc_all_gather_outputs", unshard))
+
+        def alloc_all_gather_outputs(param, _original=unshard):
+            self.fault("unshard")
+            return _original(param)
+        FSDPParam.alloc_all_gather_outputs = alloc_all_gather_outputs
         for cls, where in ((c.DefaultAllGather, "gather"), (c.DefaultReduceScatter, "reduce")):
             original = cls.allocate
-            self.saved.append((cls, original))
+            self.saved.append((cls, "allocate", original))
 
             def allocate(comm, size, *, dtype, device, _original=original, _where=where):
                 self.fault(_where)
@@ -130,8 +143,8 @@ class _marking_collectives:
         return self
 
     def __exit__(self, *exc):
-        for cls, original in self.saved:
-            cls.allocate = original
+        for cls, name, original in self.saved:
+            setattr(cls, name, original)
         return False
 
 
@@ -148,7 +161,7 @@ def _attempt(position, injected: bool, **options) -> dict:
     return row
 
 
-def _worker(rank, init_file, out_dir, positions):
+def _worker(rank, init_file, out_dir, positions, faulty=1):
     torch.set_num_threads(1)
     import logging
     import warnings
@@ -163,7 +176,7 @@ def _worker(rank, init_file, out_dir, positions):
     out = {"clean_seconds": time.monotonic() - start, "allocations": count, "calls": fault.calls,
            "clean": [(a.step, a.plan.micro_batch_size, a.outcome) for a in clean.attempts], "rows": []}
     for position in positions:
-        row = {"at": position, **_attempt(position, injected=rank == 1)}
+        row = {"at": position, **_attempt(position, injected=rank == faulty)}
         out["rows"].append(row)
         print(f"rank {rank} {position}: {row['outcome']} {row['seconds']:.1f} s {row.get('message', '')[:90]}",
               file=sys.stderr, flush=True)
@@ -174,10 +187,10 @@ def _worker(rank, init_file, out_dir, positions):
     dist.destroy_process_group()
 
 
-def spawn(positions, limit_s=1800):
+def spawn(positions, limit_s=1800, faulty=1):
     out = tempfile.mkdtemp(prefix="autofit-fsdp-faults-")
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, os.path.join(out, "init"), out, positions))
+    procs = [ctx.Process(target=_worker, args=(r, os.path.join(out, "init"), out, positions, faulty))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -195,7 +208,8 @@ def spawn(positions, limit_s=1800):
 
 
 def classify(a: dict, b: dict, allowed: float) -> str:
-    """recovered / unaffected / announced / FAILED for rank 0's row `a` and rank 1's row `b`."""
+    """recovered / unaffected / announced / FAILED for the healthy rank's row `a` and the faulty
+    rank's row `b`."""
     slow = max(a["seconds"], b["seconds"]) > allowed
     injected = "OutOfMemoryError" if b["at"][0] == "alloc" else "ValueError"
     if slow:
@@ -210,14 +224,19 @@ def classify(a: dict, b: dict, allowed: float) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--positions", type=int, default=60, help="allocations sampled (evenly)")
+    parser.add_argument("--faulty", type=int, default=1, choices=(0, 1), help="the rank that gets the faults")
     args = parser.parse_args(argv)
 
-    clean = spawn([])[1]  # how many allocations and calls a clean run makes on rank 1
+    clean = spawn([])[args.faulty]  # how many allocations and calls a clean run makes on that rank
     total, calls = clean["allocations"], clean["calls"]
     step = max(total // args.positions, 1)
     positions = [("alloc", n) for n in range(0, total + step, step)]
-    positions += [(where, k) for where in ERRORS for k in range(1, calls[where] + 2)]
-    r0, r1 = spawn(positions)
+    for where in ERRORS:
+        ks = list(range(1, calls[where] + 2))
+        positions += [(where, k) for k in ks[::max(len(ks) // MOST_CALLS, 1)]]
+    r0, r1 = spawn(positions, faulty=args.faulty)
+    if args.faulty == 0:
+        r0, r1 = r1, r0  # r0: the healthy rank, r1: the faulty one
     allowed = max(r0["clean_seconds"], r1["clean_seconds"]) + LIMIT_S
     verdicts, failures = {}, []
     for a, b in zip(r0["rows"], r1["rows"]):
@@ -228,16 +247,16 @@ def main(argv=None) -> int:
         if kind == "FAILED":
             failures.append((b["at"], a, b))
     seconds = max(max(r["seconds"] for r in r0["rows"]), max(r["seconds"] for r in r1["rows"]))
-    print(table(["allocations in a clean run", "calls (loss, forward, backward, step, scheduler)",
+    print(table(["allocations in a clean run", f"calls ({', '.join(ERRORS)})",
                  "clean run (s)", "positions tried", "slowest end (s)"],
                 [[r1["allocations"], ", ".join(str(r1["calls"][w]) for w in ERRORS),
                   f"{r1['clean_seconds']:.2f}", len(r1["rows"]), f"{seconds:.2f}"]]))
     kinds = ["recovered", "unaffected", "announced", "FAILED"]
-    print(table(["fault on rank 1"] + kinds, [[phase] + [v.get(k, 0) for k in kinds]
+    print(table([f"fault on rank {args.faulty}"] + kinds, [[phase] + [v.get(k, 0) for k in kinds]
                                               for phase, v in verdicts.items()]))
     for at, a, b in failures[:12]:
-        print(f"FAILED at {at}: rank 0 {a['outcome']} {a.get('message', '')!r} {a.get('attempts')} "
-              f"{a['seconds']:.1f} s; rank 1 {b['outcome']} {b.get('message', '')!r} {b.get('attempts')} "
+        print(f"FAILED at {at}: healthy rank {a['outcome']} {a.get('message', '')!r} {a.get('attempts')} "
+              f"{a['seconds']:.1f} s; faulty rank {b['outcome']} {b.get('message', '')!r} {b.get('attempts')} "
               f"{b['seconds']:.1f} s")
     return 1 if failures or len(r1["rows"]) < len(r0["rows"]) else 0
 

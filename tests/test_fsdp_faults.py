@@ -23,8 +23,10 @@ SLOWEST_END = 15.0  # seconds per position; the process group's timeout is 20 s,
 # Faults in a training attempt (the loss's forward, the block's forward, backward, the optimizer
 # step) are replayed; before the first agreement (sharding) and non-OOM errors are announced.
 # An OOM at the allocation of a collective's own buffer (FSDP's all-gather output, reduce-scatter
-# input and output) is replayed too: the agreement sits after it, inside the collective.
-ALLOCS = ("loss", "forward", "backward", "step", "gather", "reduce")
+# input and output) is replayed too: the agreement sits after it, inside the collective. So is one
+# in a gather's copy-out (`unshard`: a parameter's unsharded storage, those before it in its group
+# already allocated, which the recovery frees although FSDP still thinks the group sharded).
+ALLOCS = ("loss", "forward", "backward", "step", "gather", "reduce", "unshard")
 ERRORS = ("loss", "forward", "backward", "step", "scheduler")
 EXPECTED = [["alloc: first (sharding)", "announced"]] + \
     [[f"alloc: {where} {which}", "recovered"] for where in ALLOCS for which in ("first", "last")] + \

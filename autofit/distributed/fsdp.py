@@ -247,7 +247,12 @@ class Sharded:
                 group._all_gather_result = None
                 group._post_forward_indices.clear()
                 group.reshard()
-                for fp in group.fsdp_params:  # gradients accumulated with sync off: not the replay's
+                for fp in group.fsdp_params:
+                    # A gather that failed in its copy-out left the parameters before the failure
+                    # unsharded (their storages allocated) while the group still says sharded, and
+                    # reshard() frees only a group it sees unsharded.
+                    fp.free_unsharded_param()
+                    # Gradients accumulated with sync off: not the replay's.
                     fp.unsharded_accumulated_grad = None
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None:
