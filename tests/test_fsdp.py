@@ -75,6 +75,37 @@ def test_a_sharded_model_is_evaluated_as_one_process_evaluates_its_weights(tmp_p
     assert result.eval_history[-1]["loss"] == pytest.approx(alone.loss, abs=1e-6)
 
 
+def test_a_torch_whose_fsdp2_lacks_what_autofit_relies_on_is_refused_before_training(tmp_path):
+    """autofit reaches into FSDP2's private state (tied to the torch it was written for); a torch
+    without one of those names gets a clear refusal before any step, the weights untouched."""
+    import torch.distributed as dist
+    import autofit
+    from autofit.distributed.fsdp import fsdp_units, internals_missing
+    from reference import bert, cls_batches
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model = bert()
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        assert internals_missing(fsdp_units(model)) == []
+        group = model.bert.encoder.layer[1]._get_fsdp_state()._fsdp_param_groups[0]
+        comm = group._all_gather_comm
+        del group._all_gather_comm  # as if this torch's FSDP2 had no such comm
+        assert internals_missing(fsdp_units(model)) == ["param group._all_gather_comm"]
+        before = {k: v.full_tensor().clone() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        with pytest.raises(RuntimeError, match=r"autofit trains FSDP2 models through FSDP2's internal "
+                           r"state as torch 2\.13 has it, and this torch .* lacks param "
+                           r"group\._all_gather_comm: install torch 2\.13"):
+            autofit.run(model, cls_batches(1, rows=4), cache=False, progress=False)
+        group._all_gather_comm = comm
+        after = {k: v.full_tensor() for k, v in model.state_dict().items() if hasattr(v, "full_tensor")}
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_cache_key_holds_the_world_size_and_the_sharding():
     from autofit.cache.fingerprint import job_key
     from reference import bert, cls_batches
