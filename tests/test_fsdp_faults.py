@@ -28,7 +28,7 @@ SLOWEST_END = 15.0  # seconds per position; the process group's timeout is 20 s,
 # already allocated, which the recovery frees although FSDP still thinks the group sharded).
 ALLOCS = ("loss", "forward", "backward", "step", "gather", "reduce", "unshard")
 ERRORS = ("loss", "forward", "backward", "step", "scheduler")
-EXPECTED = [["alloc: first (sharding)", "announced"]] + \
+EXPECTED = [["alloc: first (sharding)", "announced"], ["alloc: the first batch to the device", "recovered"]] + \
     [[f"alloc: {where} {which}", "recovered"] for where in ALLOCS for which in ("first", "last")] + \
     [["alloc: last of the run", "recovered"]] + \
     [[f"{where} {which}", "announced"] for where in ERRORS for which in ("first", "last")] + \
@@ -37,14 +37,18 @@ EXPECTED = [["alloc: first (sharding)", "announced"]] + \
 
 def _positions(clean: dict) -> list:
     """Deterministic positions from a clean run's marks (allocation counts at each call), each
-    [name, position]: the first allocation of the run (sharding), the allocation right after each
+    [name, position]: the first allocation of the run (sharding), the first micro-batch's move to
+    the device (before the first forward, so before FSDP's lazy init), the allocation right after each
     place's first and last call (the forward gathers after the loss is called and the block's
     forward starts, the backward gathers and reduce-scatters, the optimizer step on shards) and
     FSDP's own buffers for a collective (the first and last all-gather output, reduce-scatter
     input/output), the last allocation of the run; a ValueError at the first and last call of
     every place, and where FSDP allocates the first gather's and the last reduce-scatter's buffer."""
     marks, total = clean["marks"], clean["allocations"]
-    out = [["alloc: first (sharding)", ["alloc", 0]]]
+    # The allocation before the first loss call moves the first micro-batch to the device: the
+    # faulty rank fails before FSDP's lazy init, which the other rank then ran in the failed attempt.
+    out = [["alloc: first (sharding)", ["alloc", 0]],
+           ["alloc: the first batch to the device", ["alloc", marks["loss"][0] - 1]]]
     for where in ALLOCS:
         out += [[f"alloc: {where} first", ["alloc", marks[where][0]]],
                 [f"alloc: {where} last", ["alloc", marks[where][-1]]]]

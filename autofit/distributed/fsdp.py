@@ -257,9 +257,16 @@ class Sharded:
 
     def _restore_reshard(self) -> None:
         for unit, auto, groups in self._reshard:
-            unit._get_fsdp_state()._auto_reshard_after_forward = auto
+            state = unit._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            # FSDP's lazy init (the root's first forward) stops a root on the automatic setting
+            # resharding after forward. The settings were read before it, so a root restored after
+            # it keeps what lazy init gave: else a rank whose lazy init ran in an attempt that
+            # another rank failed reshards its root in the replay and the others do not, and their
+            # backward gathers differ (gloo aborts on the mismatch).
+            lazy_root = auto and state._is_root
             for group, info in groups:
-                group.post_forward_mesh_info = info
+                group.post_forward_mesh_info = None if lazy_root else info
 
     def sync(self, i: int, last: bool):
         """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`): the
