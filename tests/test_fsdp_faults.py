@@ -104,3 +104,41 @@ def test_every_position_recovers_or_is_announced_promptly(walked):
         if b["at"][0] != "alloc":  # the original error on rank 1, RankFailed naming it on rank 0
             assert b["message"] == f"injected at call {b['at'][1]} of {b['at'][0]}"
             assert a["message"].startswith(f"rank 1 failed with ValueError: {b['message']}")
+
+
+def _diverging_worker(rank, init_file, out_dir):
+    """Rank 1 keeps its second block gathered after forward behind autofit's back (a user hook
+    changing FSDP's setting mid-forward): the ranks' backward gathers differ."""
+    torch.set_num_threads(1)
+    import time
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=20))
+    import autofit
+    from spawn import timed
+    import fsdp_faults as F
+    model = F._model()
+    block = model.bert.encoder.layer[1]
+    if rank == 1:
+        block.register_forward_pre_hook(lambda m, a: m.set_reshard_after_forward(False, recurse=False))
+    seen = timed(lambda: autofit.run(model, F._batches(2), shard=True, precision="fp32", progress=False,
+                                     cache=False, capacity_check=False, optimizer=torch.optim.AdamW))
+    seen.pop("value", None)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_about_to_run_different_fsdp_collectives_stop_together_instead_of_aborting(tmp_path):
+    codes, killed = spawn_ranks(_diverging_worker, lambda r: (r, str(tmp_path / "init"), str(tmp_path)),
+                                WORLD, PROCESS_TIMEOUT)
+    assert not killed and codes == [0] * WORLD, (codes, killed)  # no SIGABRT, no hang
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for s in seen:
+        assert s["error"] == "LockstepError"
+        assert s["message"].startswith("the ranks are out of step inside FSDP: rank 0 at the all-gather "
+                                       "of parameter group ")
+        assert s["seconds"] < SLOWEST_END
+    assert seen[0]["message"] == seen[1]["message"]

@@ -19,7 +19,7 @@ HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES = range(9
 PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
           "in evaluation", "counting the global batch")
-FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model")
+FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
 
@@ -59,12 +59,25 @@ class Verdict:
             return (f"the ranks' models differ (hashes of their parameters' and buffers' names, shapes "
                     f"and dtypes: {shown}); give every rank the same model.")
         if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
-            return None
+            return self._collectives_differ()
         where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
                           f"{', plan hash %d' % int(h['plan']) if h['plan'] else ''}" for r, h in alive)
         return (f"the ranks are out of step: {where}. Give every rank the same global batches (the "
                 f"same number of them, each divisible by the world size) and the same model, "
                 f"optimizer and ladder.")
+
+    def _collectives_differ(self) -> str | None:
+        """When every rank goes on, they must be about to run the same FSDP collective (or none):
+        otherwise their FSDP states diverged and the collective would never pair."""
+        if any(int(h["code"]) != OK for h in self.headers):
+            return None  # every rank drops the attempt: no collective runs
+        if len({h["collective"] for h in self.headers}) <= 1:
+            return None
+        from autofit.distributed.fsdp_guard import describe_collective
+        where = "; ".join(f"rank {r} at {describe_collective(h['collective'])}" for r, h in enumerate(self.headers))
+        return (f"the ranks are out of step inside FSDP: {where}. Their FSDP states differ (a unit "
+                f"gathered or resharded on some ranks only); every rank stops rather than wait in a "
+                f"collective that never pairs.")
 
     @property
     def terminal(self) -> bool:
@@ -139,7 +152,8 @@ class Agreement:
 
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
-                 mask: list[float] | None = None, host=contextlib.nullcontext) -> Verdict:
+                 mask: list[float] | None = None, host=contextlib.nullcontext,
+                 collective: int = 0) -> Verdict:
         """One agreement. Call it outside any `except` block (an error raised here must not look
         like it was raised while handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
@@ -147,7 +161,7 @@ class Agreement:
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
             header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag), self.model_hash], dtype=torch.float64)
+                                       float(flag), self.model_hash, collective], dtype=torch.float64)
             if mask is not None and self.met:
                 header[n:] = torch.tensor(mask, dtype=torch.float64)
             rows = [t.tolist() for t in self._all_gather(header)]

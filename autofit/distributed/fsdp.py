@@ -224,7 +224,7 @@ class Sharded:
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
     def guard(self, check) -> None:
-        """Hold `check()`, the lockstep's agreement, inside each of FSDP's collectives (after its
+        """Hold `check(collective)`, the lockstep's agreement, inside each of FSDP's collectives (after its
         buffers are allocated, before it runs) while armed (autofit.distributed.fsdp_guard)."""
         from autofit.distributed.fsdp_guard import Guards
         self.guards = Guards(self.model, self.units, check)

@@ -7,7 +7,8 @@ backward (in the last micro-batch's), those of units whose inputs need no gradie
 the end of backward. Every one of these goes through the unit's communication objects (FSDP's
 `AllGather` / `ReduceScatter` comms, the ones `set_custom_all_gather` replaces), which allocate the
 collective's buffers first and then run it. autofit wraps each comm: its call holds an agreement
-(`check()`: every rank says whether it is still in the attempt) and only then runs the collective.
+(`check(collective)`: every rank says whether it is still in the attempt, and which collective it
+is about to run) and only then runs the collective.
 So everything FSDP allocates for a collective (the gather's output, the reduce-scatter's input and
 output, casts and copy-ins) happens before the agreement, and nothing between the agreement and the
 collective can fail: a rank whose allocation failed is at its own agreement after backward, which
@@ -18,27 +19,56 @@ from __future__ import annotations
 
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+# Which collective a rank is about to run, carried by its agreement: ranks that agree to go on but
+# are about to run different collectives (their FSDP states diverged) would abort in gloo or wait
+# in NCCL; the agreement stops every rank with a LockstepError naming both instead.
+GATHER, REDUCE = 1, 2
+_KIND_NAMES = {GATHER: "the all-gather", REDUCE: "the reduce-scatter"}
+# kind (2 bits), parameter group (14) and output elements (36, clamped) in one float64 entry, exactly
+_GROUP_BITS, _NUMEL_BITS = 14, 36
+
+
+def collective_id(kind: int, group: int, numel: int) -> int:
+    return (((kind << _GROUP_BITS) + min(group, (1 << _GROUP_BITS) - 1)) << _NUMEL_BITS) + \
+        min(numel, (1 << _NUMEL_BITS) - 1)
+
+
+def describe_collective(value: float) -> str:
+    """'the all-gather of parameter group 2 (8544 elements)', or what 0 means (an agreement
+    outside any collective)."""
+    value = int(value)
+    if not value:
+        return "the attempt's end (no collective)"
+    numel, rest = value & ((1 << _NUMEL_BITS) - 1), value >> _NUMEL_BITS
+    kind, group = rest >> _GROUP_BITS, rest & ((1 << _GROUP_BITS) - 1)
+    return f"{_KIND_NAMES.get(kind, 'a collective')} of parameter group {group} ({numel} elements)"
+
 
 class _Agreed:
     """The comm FSDP had, with the agreement held before each collective while the guards are armed."""
 
-    def __init__(self, inner, guards):
-        self.inner, self.guards = inner, guards
+    KIND = 0  # GATHER or REDUCE
+
+    def __init__(self, inner, guards, index: int):
+        self.inner, self.guards, self.index = inner, guards, index  # index: the param group's
 
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
         if self.guards.armed:
-            self.guards.check()
+            output = kwargs.get("output_tensor", args[0] if args else None)
+            self.guards.check(collective_id(self.KIND, self.index, output.numel() if output is not None else 0))
         return self.inner(*args, **kwargs)
 
 
 class _AgreedAllGather(_Agreed, AllGather):
+    KIND = GATHER
     __call__ = _Agreed.__call__
 
 
 class _AgreedReduceScatter(_Agreed, ReduceScatter):
+    KIND = REDUCE
     __call__ = _Agreed.__call__
 
 
@@ -54,9 +84,10 @@ class Guards:
         for unit in units:
             for group in _groups(unit):
                 gather, reduce = group._all_gather_comm, group._reduce_scatter_comm
+                index = len(self.wrapped)
                 self.wrapped.append((group, gather, reduce))
-                group._all_gather_comm = _AgreedAllGather(gather, self)
-                group._reduce_scatter_comm = _AgreedReduceScatter(reduce, self)
+                group._all_gather_comm = _AgreedAllGather(gather, self, index)
+                group._reduce_scatter_comm = _AgreedReduceScatter(reduce, self, index)
 
     def remove(self) -> None:
         """FSDP's own comms back (a user's custom one included)."""

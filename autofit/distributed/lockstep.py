@@ -302,13 +302,13 @@ class Lockstep(Deciding, Agreement):
             self.sharded.close()
 
     # -- FSDP ------------------------------------------------------------------------------------
-    def _before_collective(self) -> None:
+    def _before_collective(self, collective: int = 0) -> None:
         """Inside each of FSDP's collectives, after it allocated its buffers and before it runs:
         every rank agrees that the attempt goes on. A rank that failed earlier (its allocation for
         this collective included) is at its agreement after backward and meets this one, so both
         stop; `attempt_agreed` tells the step runner that this attempt's agreement has been held."""
         self.attempt_agreed = True
-        self.agree(self.attempt_phase, plan=self.attempt_plan, host=self._host)
+        self.agree(self.attempt_phase, plan=self.attempt_plan, host=self._host, collective=collective)
         self.attempt_agreed = False
 
     def agreed_step(self, step_fn, plan: Plan):
