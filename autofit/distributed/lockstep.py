@@ -66,7 +66,8 @@ after one agreement per attempt, so there is one inside each of them (autofit.di
 each unit's gather in forward and in backward (and the one FSDP prefetches), each reduce-scatter,
 after FSDP allocated the collective's buffers and before it runs, so nothing between the agreement
 and the collective can fail. A rank that failed (that allocation included) meets the others there
-at its own agreement after backward, and every rank drops the attempt;
+at its own agreement after backward, and every rank drops the attempt; ranks that would go on into
+different collectives (their FSDP states diverged) all raise LockstepError instead;
 FSDP's state is put back to sharded and idle, its unsharded accumulated gradients dropped.
 The agreements of a sharded run use a gloo group of their own, so they never trade data with
 FSDP's collectives.
