@@ -200,8 +200,12 @@ def _worker(rank_, init_file, out_dir):
     # (fits), each measured on this rank first; rank 0's is large. Both ranks walk one plan sequence.
     big = cls_batches(2, rows=4 * PER_RANK, seed=4)
     share = {k: v[rank_ * 2 * PER_RANK:(rank_ + 1) * 2 * PER_RANK] for k, v in big[0].items()}
-    fails = _second_step_peak(Plan(8, 2, reshard_after_forward=True), share)
-    fits = _second_step_peak(Plan(8, 2, reshard_after_forward=True, reduce_each_micro_batch=True), share)
+    # gloo's thread frees a collective's buffers after the wait returns; inside autofit's runs the
+    # guards let that free run at once (fsdp_guard), but these bare StepRunner measurements are at
+    # times 76 KiB late: the least of three is the on-time peak.
+    fails = min(_second_step_peak(Plan(8, 2, reshard_after_forward=True), share) for _ in range(3))
+    fits = min(_second_step_peak(Plan(8, 2, reshard_after_forward=True, reduce_each_micro_batch=True), share)
+               for _ in range(3))
     with autofit.simulate_gpu("256MiB" if rank_ == 0 else (fails + fits) // 2):
         model = _user_sharded(False)
         result = run(model, big, capacity_check=False)

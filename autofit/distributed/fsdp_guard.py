@@ -17,7 +17,11 @@ meets this one, and every rank raises there. A user's own custom comm is wrapped
 
 from __future__ import annotations
 
+import time
+
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from autofit.gpu.simulate import active_gpu
 
 # Which collective a rank is about to run, carried by its agreement: ranks that agree to go on but
 # are about to run different collectives (their FSDP states diverged) would abort in gloo or wait
@@ -59,7 +63,13 @@ class _Agreed:
         if self.guards.armed:
             output = kwargs.get("output_tensor", args[0] if args else None)
             self.guards.check(collective_id(self.KIND, self.index, output.numel() if output is not None else 0))
-        return self.inner(*args, **kwargs)
+        work = self.inner(*args, **kwargs)
+        if active_gpu() is not None:
+            # gloo's thread drops the collective's buffers after the caller's wait returns, and on a
+            # simulated GPU that free is a Python callback waiting for the GIL: let it run now, so
+            # the peak does not depend on when the interpreter switches threads.
+            time.sleep(0)
+        return work
 
 
 class _AgreedAllGather(_Agreed, AllGather):
