@@ -1,6 +1,6 @@
 """Faults on one rank of a 2-rank FSDP2 job (shard=True, capacity check on), at each phase: every
 position ends both ranks within seconds, `recovered` (both ranks the same attempts) or `announced`
-(the original error on rank 1, RankFailed on rank 0). One spawned pair walks all positions, the job
+(the original error on rank 1, RankFailed on rank 0). One spawned pair walks the positions below, the job
 re-created per position (benchmarks/fsdp_faults.py is the job and samples many more positions)."""
 
 from __future__ import annotations
@@ -15,46 +15,51 @@ import torch
 
 from spawn import spawn_ranks
 
+pytestmark = pytest.mark.slow  # spawned ranks walking fault positions: about two minutes
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 WORLD = 2
-PROCESS_TIMEOUT = 240
-SLOWEST_END = 15.0  # seconds per position; the process group's timeout is 20 s, so a hang shows
+GROUP_TIMEOUT = 60  # seconds: the process group's timeout, so a hang ends a rank after a minute
+# Hang guards, not speed verdicts: a position ends in 3-9 s on 2 cores, so 40 s is a rank left
+# waiting for the group timeout; the whole walk's backstop allows every position that long.
+SLOWEST_END = 40.0
 # Faults in a training attempt (the loss's forward, the block's forward, backward, the optimizer
 # step) are replayed; before the first agreement (sharding) and non-OOM errors are announced.
 # An OOM at the allocation of a collective's own buffer (FSDP's all-gather output, reduce-scatter
 # input and output) is replayed too: the agreement sits after it, inside the collective. So is one
 # in a gather's copy-out (`unshard`: a parameter's unsharded storage, those before it in its group
 # already allocated, which the recovery frees although FSDP still thinks the group sharded).
-ALLOCS = ("loss", "forward", "backward", "step", "gather", "reduce", "unshard")
-ERRORS = ("loss", "forward", "backward", "step", "scheduler")
+# The suite walks one position per kind of recovery the sweeps found (each a bug once); every
+# place's first and last call, and hundreds more, are benchmarks/fsdp_faults.py's sweep.
+ALLOCS = (("loss", "first"), ("forward", "first"), ("backward", "last"), ("step", "first"),
+          ("gather", "first"), ("reduce", "last"), ("unshard", "first"), ("unshard", "last"))
+ERRORS = (("loss", "first"), ("backward", "last"), ("step", "first"), ("scheduler", "last"))
 EXPECTED = [["alloc: first (sharding)", "announced"], ["alloc: the first batch to the device", "recovered"]] + \
-    [[f"alloc: {where} {which}", "recovered"] for where in ALLOCS for which in ("first", "last")] + \
+    [[f"alloc: {where} {which}", "recovered"] for where, which in ALLOCS] + \
     [["alloc: last of the run", "recovered"]] + \
-    [[f"{where} {which}", "announced"] for where in ERRORS for which in ("first", "last")] + \
+    [[f"{where} {which}", "announced"] for where, which in ERRORS] + \
     [["gather first", "announced"], ["reduce last", "announced"]]
+PROCESS_TIMEOUT = 120 + len(EXPECTED) * (SLOWEST_END + GROUP_TIMEOUT)
 
 
 def _positions(clean: dict) -> list:
     """Deterministic positions from a clean run's marks (allocation counts at each call), each
     [name, position]: the first allocation of the run (sharding), the first micro-batch's move to
-    the device (before the first forward, so before FSDP's lazy init), the allocation right after each
-    place's first and last call (the forward gathers after the loss is called and the block's
-    forward starts, the backward gathers and reduce-scatters, the optimizer step on shards) and
-    FSDP's own buffers for a collective (the first and last all-gather output, reduce-scatter
-    input/output), the last allocation of the run; a ValueError at the first and last call of
-    every place, and where FSDP allocates the first gather's and the last reduce-scatter's buffer."""
+    the device (before the first forward, so before FSDP's lazy init), the allocation right after
+    the chosen call of each place in ALLOCS (FSDP's own buffers for a collective among them), the
+    last allocation of the run; a ValueError at the chosen call of each place in ERRORS, and where
+    FSDP allocates the first gather's and the last reduce-scatter's buffer."""
     marks, total = clean["marks"], clean["allocations"]
+    index = {"first": 0, "last": -1}
     # The allocation before the first loss call moves the first micro-batch to the device: the
     # faulty rank fails before FSDP's lazy init, which the other rank then ran in the failed attempt.
     out = [["alloc: first (sharding)", ["alloc", 0]],
            ["alloc: the first batch to the device", ["alloc", marks["loss"][0] - 1]]]
-    for where in ALLOCS:
-        out += [[f"alloc: {where} first", ["alloc", marks[where][0]]],
-                [f"alloc: {where} last", ["alloc", marks[where][-1]]]]
+    out += [[f"alloc: {where} {which}", ["alloc", marks[where][index[which]]]] for where, which in ALLOCS]
     out.append(["alloc: last of the run", ["alloc", total - 1]])
-    for where in ERRORS:
-        out += [[f"{where} first", [where, 1]], [f"{where} last", [where, clean["calls"][where]]]]
+    out += [[f"{where} {which}", [where, 1 if which == "first" else clean["calls"][where]]]
+            for where, which in ERRORS]
     return out + [["gather first", ["gather", 1]], ["reduce last", ["reduce", clean["calls"]["reduce"]]]]
 
 
@@ -66,7 +71,7 @@ def _worker(rank, init_file, out_dir):
     logging.getLogger("autofit").setLevel(logging.ERROR)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=20))
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
     import fsdp_faults as F
     fault = F._Fault()
     _, count = F.job(fault, batches=2)
@@ -115,7 +120,7 @@ def _diverging_worker(rank, init_file, out_dir):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=20))
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
     import autofit
     from spawn import timed
     import fsdp_faults as F
