@@ -1,6 +1,5 @@
 """autofit.commands.models: spec strings -> (model, sample batch); built on meta, errors in one line."""
 
-import time
 
 import pytest
 import torch
@@ -36,11 +35,9 @@ def test_default_is_bert_base():
     ("tiny-bert", transformers.BertForSequenceClassification, 168_258, [4]),
     ("tiny-gpt2", transformers.GPT2LMHeadModel, 196_864, [4, 16]),
 ])
-def test_builtins_build_on_meta_quickly(name, cls, n_params, labels):
-    load(name, batch_size=1, seq_len=1)  # first build of a class imports its transformers module
-    start = time.perf_counter()
+def test_builtins_build_on_meta(name, cls, n_params, labels):
+    # Speed is the probe benchmark's to measure, not a unit test's: here, what is built, and where.
     model, batch = load(name, batch_size=4, seq_len=16)
-    assert time.perf_counter() - start < 2.0
     assert type(model) is cls
     assert sum(p.numel() for p in model.parameters()) == n_params
     assert {p.device.type for p in model.parameters()} == {"meta"}  # no memory spent
