@@ -7,6 +7,12 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+# One intra-op thread per test process: the suite runs one process per core (pytest-xdist, README's
+# test command), and the tiny models here gain nothing from a second thread that would only
+# compete with the other worker. Every exact comparison is within one process, at one thread count.
+torch.set_num_threads(1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:

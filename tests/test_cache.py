@@ -402,6 +402,7 @@ def check_written(path, count):
     assert corrupt_files(path) == []
 
 
+@pytest.mark.slow
 def test_two_processes_write_at_once(tmp_path):
     # 50 puts each to one cache, then 10 fresh caches with 2 puts each: both processes race to
     # create the file and its schema, which is where a naive open fails.

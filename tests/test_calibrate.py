@@ -171,6 +171,7 @@ def budget_for(micro):
     return autofit.estimate(bert(), batches(1)[0], Plan.for_batch(ROWS, micro), device_type="cpu").peak_bytes
 
 
+@pytest.mark.slow
 def test_a_cold_run_probes_straight_to_the_largest_fit_and_caches_its_calibration(monkeypatch):
     # The estimate is ~7% high on this tiny model (its allocated peak is the step's own: a factor
     # under 1 is trusted), so 13 rows fit where 12 are predicted to (14 do not: measured).
@@ -192,6 +193,7 @@ def test_a_cold_run_probes_straight_to_the_largest_fit_and_caches_its_calibratio
     assert steps(blind) == [(0, 8, "ok"), (1, 12, "ok"), (2, 14, "oom"), (2, 12, "ok")]
 
 
+@pytest.mark.slow
 def test_the_cached_calibration_is_applied_by_the_next_estimate_of_the_same_model(caplog):
     budget = budget_for(12)
     model = bert()
@@ -307,6 +309,7 @@ def test_the_estimate_replays_the_step_before_it_and_the_cap_of_the_allocator():
     assert estimator.measure(plan(20), after=plan(16), limit=cap).reserved_bytes > cap
 
 
+@pytest.mark.slow
 def test_a_reserved_capped_run_starts_at_the_largest_size_its_own_first_step_leaves_room_for():
     budget = 33 * MiB
     # The largest micro-batch that fits, measured: a run's two steps of 27 rows fit, of 28-32 not.

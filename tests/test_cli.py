@@ -295,6 +295,7 @@ def test_probe_config_json(capsys, tmp_path):
     assert (got["model"], got["model_class"]) == (str(tmp_path), "BertForSequenceClassification")
 
 
+@pytest.mark.slow
 def test_probe_bert_base_on_2gib(capsys):
     """The design's headline: BERT-base (the default), 32 x 128, on a 2 GiB card, no GPU."""
     code, got, _ = probe_json(capsys, "--gpu-mem", "2GiB")
@@ -369,6 +370,7 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     assert [r["cost"] for r in got["table"]] == [1.0, 1.0303, 1.2545]
 
 
+@pytest.mark.slow
 def test_probe_compares_the_reserved_peak_with_what_the_workspaces_leave(capsys):
     # tiny-bert 8 x 16 in fp32 is predicted at 3.25 MiB allocated, 4 MiB reserved (two 2 MiB
     # segments): 3.5 MiB after the workspace reserve holds the allocated peak but not the reserved.

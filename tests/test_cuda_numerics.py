@@ -131,6 +131,7 @@ def test_real_tensors_keep_cpus_numerics_while_an_estimate_runs():
     assert torch.equal(dropped, F.dropout(x.float(), 0.5, True))  # the same CPU kernel, same RNG
 
 
+@pytest.mark.slow
 def test_one_estimator_measuring_many_plans_keeps_host_memory_bounded():
     config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=64, vocab_size=100, hidden_dropout_prob=0.1)

@@ -22,7 +22,8 @@ SLOWEST_ERROR_EXIT = 30.0   # seconds; the process group's timeout is 60 s, so a
 PROCESS_TIMEOUT = 480       # seconds for the whole spawn, a backstop that fails instead of hanging
 FAULTS = 6                  # allocations sampled for an injected fault (benchmarks/distributed_faults.py: all)
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built"),
+              pytest.mark.slow]  # every test here reads spawned gloo ranks' results
 
 
 # -- what each rank runs ----------------------------------------------------------------------

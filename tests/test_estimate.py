@@ -149,6 +149,7 @@ def test_the_user_model_optimizer_and_batch_are_untouched():
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
+@pytest.mark.slow
 def test_host_memory_does_not_grow_by_the_model_size():
     # A subprocess, so the peak resident set is this test's alone.
     script = textwrap.dedent("""
@@ -184,6 +185,7 @@ def test_the_estimate_grows_with_the_batch():
     assert by_micro == sorted(set(by_micro))
 
 
+@pytest.mark.slow
 def test_cuda_attention_avoids_the_quadratic_attention_matrix():
     # With attention dropout (BERT's default 0.1) CPU's SDPA takes the math path, which keeps the
     # T x T attention matrix; CUDA's flash / memory-efficient kernels do not.
@@ -226,6 +228,7 @@ def spy_on_fake_devices(monkeypatch) -> set:
     return devices
 
 
+@pytest.mark.slow
 def test_no_cuda_tensor_is_ever_made(monkeypatch):
     devices = spy_on_fake_devices(monkeypatch)
     for model, batch in ((bert("sdpa"), bert_batch(4, 64)), (gpt2("sdpa"), gpt2_batch(4, 64))):
@@ -292,6 +295,7 @@ def test_attention_routing_is_undone_when_the_step_fails():
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
+@pytest.mark.slow
 def test_one_estimator_measures_many_plans_like_single_estimates():
     model, batch = bert(), bert_batch()
     session = Estimator(model, batch, device_type="cpu")

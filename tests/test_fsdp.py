@@ -51,6 +51,7 @@ def test_plain_parameters_are_not_sharded():
     assert not is_sharded(object())
 
 
+@pytest.mark.slow
 def test_a_sharded_model_is_evaluated_as_one_process_evaluates_its_weights(tmp_path):
     """Evaluation of a sharded model was refused before any training; it now runs in lockstep
     (here a group of one, every agreement with itself; two ranks: tests/test_fsdp_eval.py) and
@@ -75,6 +76,7 @@ def test_a_sharded_model_is_evaluated_as_one_process_evaluates_its_weights(tmp_p
     assert result.eval_history[-1]["loss"] == pytest.approx(alone.loss, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_torch_whose_fsdp2_lacks_what_autofit_relies_on_is_refused_before_training(tmp_path):
     """autofit reaches into FSDP2's private state (tied to the torch it was written for); a torch
     without one of those names gets a clear refusal before any step, the weights untouched."""
@@ -298,6 +300,7 @@ def _loop(batches, micro_sizes, make_model=None, tokens=False):
     return model.state_dict()
 
 
+@pytest.mark.slow
 def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_process(ranks):
     (r0, r1), (p0, p1) = ranks
     for seen in (r0, r1):
@@ -320,6 +323,7 @@ def test_a_sharded_model_on_sampled_data_steps_down_together_and_equals_one_proc
     assert max_diff(p0["sampled"], _loop(batches, r0["sampled"]["micro"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
     from reference import cls_batches
     (r0, r1), (p0, p1) = ranks
@@ -337,6 +341,7 @@ def test_unequal_budgets_give_one_plan_sequence_on_both_ranks(ranks):
     assert max_diff(p0["budgets"], _loop(batches, r0["budgets"]["micro"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks):
     from reference import cls_batches
     (r0, r1), (p0, p1) = ranks
@@ -350,6 +355,7 @@ def test_an_oom_in_one_ranks_optimizer_step_rolls_back_every_ranks_shards(ranks)
     assert max_diff(p0["step_oom"], _loop(cls_batches(2, rows=16), micro)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_non_oom_error_on_one_rank_of_a_sharded_model_ends_both_promptly(ranks):
     (r0, r1), _ = ranks
     assert (r1["error"]["error"], r1["error"]["message"]) == ("ValueError", "rank 1 cannot compute this loss")
@@ -362,6 +368,7 @@ def test_a_non_oom_error_on_one_rank_of_a_sharded_model_ends_both_promptly(ranks
     assert max(r0["error"]["seconds"], r1["error"]["seconds"]) < SLOWEST_ERROR_EXIT
 
 
+@pytest.mark.slow
 def test_shard_true_wraps_each_block_and_the_root(ranks):
     from reference import cls_batches
     (r0, r1), (p0, p1) = ranks
@@ -375,6 +382,7 @@ def test_shard_true_wraps_each_block_and_the_root(ranks):
     assert max_diff(p0["shard"], _loop(cls_batches(2, rows=16), [8, 8])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_rank_whose_share_has_no_label_token_trains_on_the_global_count(ranks):
     from reference import gpt2, lm_batches
     (r0, r1), (p0, p1) = ranks

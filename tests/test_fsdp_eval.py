@@ -19,6 +19,8 @@ EVAL_ROWS = (7, 1, 5)       # rows of the evaluation batches: rank 0 gets 3, 0, 
 SLOWEST_ERROR_EXIT = 30.0   # seconds; the process group's timeout is 60 s, so a hang would show
 PROCESS_TIMEOUT = 240
 
+pytestmark = pytest.mark.slow  # every test here reads spawned gloo ranks' results
+
 
 def _eval_batches():
     from reference import cls_batches

@@ -101,6 +101,7 @@ def test_fsdp_settings_do_not_apply_to_a_replicated_model():
     assert unavailable_changes(Plan(2, 2, reshard_after_forward=False), applies) == {}
 
 
+@pytest.mark.slow
 def test_the_capacity_check_picks_the_fastest_fsdp_setting_that_fits():
     """Priced per rank on a fake world of 2 ranks (16 rows each): the fastest plan whose predicted
     peak fits, walking the FSDP settings as the ladder does, before checkpointing."""
@@ -250,6 +251,7 @@ def ranks(tmp_path_factory):
     return ranks_results(_worker, tmp_path_factory.mktemp("fsdp_moves"), WORLD, PROCESS_TIMEOUT)
 
 
+@pytest.mark.slow
 def test_fsdp_moves_on_two_ranks(ranks):
     (r0, r1), (p0, p1) = ranks
     for seen in (r0, r1):

@@ -29,6 +29,7 @@ def sequence(result):
     return [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
 
 
+@pytest.mark.slow
 def test_micro_batch_stepdowns_keep_the_mathematics():
     batches = cls_batches(4, rows=16)
     p16 = second_step_peak(bert, batches[0], Plan(16))
@@ -152,6 +153,7 @@ def _allocation_marks(model, batches):
         return marks, gpu.allocation_count
 
 
+@pytest.mark.slow
 def test_an_oom_at_every_allocation_is_survived_with_the_same_result():
     """Every allocation of the first global step (forward, backward, the AdamW step that creates
     the state) and of the second step's AdamW update: the run replays and ends bit-identical."""

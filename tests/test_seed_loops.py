@@ -142,6 +142,7 @@ def seed_004_loop(model, data, epochs):
     return step, validations
 
 
+@pytest.mark.slow
 def test_seed_004_train_and_validate_loop_converted_by_three_lines():
     data = (rows(30, 1), rows(20, 2))
     loss_fn = lambda m, b: m(b[0], attention_mask=apply_attention_mask(b[0]), labels=b[1]).loss

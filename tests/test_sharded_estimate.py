@@ -166,6 +166,7 @@ TOLERANCE = {  # how far above the measured peak the prediction may be
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TOLERANCE))
 def test_the_peak_is_predicted_where_collectives_finish_at_once(name):
     # Real tensors, this process as rank 0 of 2 on the fake backend: FSDP2 runs as on gloo, but each
@@ -178,6 +179,7 @@ def test_the_peak_is_predicted_where_collectives_finish_at_once(name):
     assert 0 <= est.peak_bytes - measured <= TOLERANCE[name] * measured, (measured, est.peak_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TOLERANCE))
 def test_each_gloo_ranks_peak_is_predicted_within_5_percent(ranks, name):
     # gloo finishes a collective in its own thread, and what the collective held is freed there: at
@@ -187,6 +189,7 @@ def test_each_gloo_ranks_peak_is_predicted_within_5_percent(ranks, name):
     assert ranks[0][name]["predicted"] == ranks[1][name]["predicted"]  # padded shards: alike
 
 
+@pytest.mark.slow
 def test_the_settings_change_the_peak_as_fsdp2_does(ranks):
     peak = {name: ranks[0][name]["measured"] for name in ranks[0]}
     assert peak["bert no-raf"] > peak["bert raf"] > peak["bert bf16-params"]

@@ -66,6 +66,7 @@ def test_an_injected_oom_is_replayed_and_the_result_equals_the_plain_loop():
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_factories_and_a_budget_step_down_then_a_resumed_job_makes_no_oom_attempt():
     batches = cls_batches(4, rows=16, seq=16)
     p16 = second_step_peak(bert(), batches[0], Plan(16))
@@ -245,6 +246,7 @@ def test_run_clips_the_global_gradient_and_reports_its_norm():
 
 # -- torch.distributed: two gloo ranks, the same lockstep as run ----------------------------------
 
+@pytest.mark.slow
 def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduced_gradient(tmp_path):
     codes, killed = spawn_ranks(stepper_ranks.worker, lambda r: (r, str(tmp_path / "init"), str(tmp_path)), 2, 180)
     assert codes == [0, 0] and not killed

@@ -95,6 +95,7 @@ def cache_url() -> str:
     return f"sqlite:///{PlanCache().path}"
 
 
+@pytest.mark.slow
 def test_every_plan_once_in_order_fastest_cached_and_run_starts_from_it(tiny_bert):
     data = batches()
     untouched = copy.deepcopy(tiny_bert)
@@ -222,6 +223,7 @@ def test_the_default_plan_stays_unless_another_is_more_than_3_percent_faster(cha
     assert result.plan == {"default": default, "challenger": other}[winner]
 
 
+@pytest.mark.slow
 def test_the_users_model_optimizer_gradients_and_rng_are_untouched(tiny_bert):
     for module in tiny_bert.modules():  # training steps draw from torch's RNG
         if isinstance(module, torch.nn.Dropout):
@@ -251,6 +253,7 @@ def test_the_users_model_optimizer_gradients_and_rng_are_untouched(tiny_bert):
     assert not tiny_bert.training
 
 
+@pytest.mark.slow
 def test_the_study_lives_in_the_plan_cache_file_and_resumes_without_measuring_twice(tiny_bert):
     data = batches()
     first = tune(tiny_bert, data, budget=budget(), n_trials=2, steps=1, rounds=1, clock=Clock())
@@ -272,6 +275,7 @@ def test_the_study_lives_in_the_plan_cache_file_and_resumes_without_measuring_tw
     assert list(path.parent.glob("*.corrupt-*")) == []
 
 
+@pytest.mark.slow
 def test_a_storage_given_is_shared_by_machines_tuning_the_same_job(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     one = tune(tiny_bert(), batches(), budget=budget(), storage=url, n_trials=3, steps=1, rounds=1,
@@ -369,6 +373,7 @@ def seconds_for(order, per_plan) -> list:
     return [per_plan[plan][round_] for round_, plan in order]
 
 
+@pytest.mark.slow
 def test_rounds_interleave_every_plan_once_per_round_the_order_rotated(tiny_bert):
     order = [(0, FP32[0]), (0, FP32[1]), (0, FP32[2]), (1, FP32[1]), (1, FP32[2]), (1, FP32[0]),
              (2, FP32[2]), (2, FP32[0]), (2, FP32[1])]
@@ -433,6 +438,7 @@ def test_describe_shows_each_plans_median_spread_and_range():
         "a lead larger than the spread"]
 
 
+@pytest.mark.slow
 def test_retune_measures_a_stored_study_again_and_reads_the_new_measurement(tiny_bert):
     data = batches()
     first = tune(tiny_bert, data, budget=budget(), precision="fp32", steps=1, rounds=1,

@@ -100,6 +100,7 @@ def test_with_the_capacity_check_a_long_batch_the_estimate_never_saw_is_trained(
     check_trained_like_a_plain_loop(model, result, batches)
 
 
+@pytest.mark.slow
 def test_with_the_capacity_check_a_list_is_planned_for_its_longest_batch(budget):
     batches = data()
     model = small()
@@ -182,6 +183,7 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
         f"longest ({LONG // 2 + 1})")
 
 
+@pytest.mark.slow
 def test_the_cache_keeps_the_plan_of_the_longest_rows_and_the_sizes_of_each_length(budget):
     from autofit.engine.batches import row_elements
     from autofit.cache.store import PlanCache
