@@ -51,12 +51,14 @@ def _like(saved: torch.Tensor, model: torch.Tensor, device) -> torch.Tensor:
 
 
 class Snapshot:
-    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate."""
+    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate.
+    `params=False`: the parameters are left out (an offloaded step writes them only once it is
+    applied, see offload.py); the state is still restored for every parameter."""
 
-    def __init__(self, optimizer, device):
+    def __init__(self, optimizer, device, params: bool = True):
         self.optimizer = optimizer
         with torch.no_grad(), device.host():
-            self.params = [(p, _host_copy(p)) for p in _params(optimizer)]
+            self.params = [(p, _host_copy(p) if params else None) for p in _params(optimizer)]
             self.state = {}
             self.kinds = {}  # (param, key) -> the state tensor as it was (to rebuild a DTensor from)
             for p, _ in self.params:
@@ -73,7 +75,8 @@ class Snapshot:
         restore_groups(self.optimizer, self.groups)
         with torch.no_grad():
             for p, saved in self.params:
-                _local(p).copy_(saved)
+                if saved is not None:
+                    _local(p).copy_(saved)
                 if p not in self.state:
                     state.pop(p, None)
                     continue
@@ -111,9 +114,10 @@ class AtomicStep:
         need = self.need.get(key)
         return need is None or free < need * HEADROOM + HEADROOM_BYTES
 
-    def __call__(self, step_fn, key=None, guard: bool | None = None) -> None:
+    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True) -> None:
+        """`params=False`: the snapshot leaves the parameters out (an offloaded step)."""
         guard = self.at_risk(key) if guard is None else guard
-        snapshot = Snapshot(self.optimizer, self.device) if guard else None
+        snapshot = Snapshot(self.optimizer, self.device, params) if guard else None
         if snapshot is not None:
             self.snapshots += 1
         before = self.device.memory_allocated()
@@ -122,8 +126,10 @@ class AtomicStep:
         failure = None
         try:
             step_fn()
-        except Exception as error:
+        except BaseException as error:
             if not is_oom(error):
+                if snapshot is not None:  # an interrupt or another error: propagates, rolled back
+                    snapshot.restore()
                 raise
             failure = summarize(error)
             self.failed_at = self.device.memory_allocated()

@@ -263,14 +263,13 @@ class Training:
         self.lockstep.close()
         if not self.was_training:
             self.model.eval()
-        if self.own_optimizer:
-            self.optimizer.state.clear()
         if self.watch is not None:
             self.findings = self.watch.findings
         # Drop the references to the step's objects so gc can free them now.
         self.runner = self.scheduler = self.watch = None
         if self.controller is not None:
             self.controller.runner = None
+            self.controller.start = None  # it holds the optimizer: the caller decides how long it lives
         if self.guide is not None:
             self.guide.estimator = None  # its fake copies of the model and optimizer
         # Collected only while the device holds more outside the model and optimizer than before
