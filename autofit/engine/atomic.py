@@ -10,6 +10,11 @@ copied back in place if the step runs out of memory. A step known to fit runs wi
 a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
 `PartialUpdateError` instead of being retried on top of itself.
 
+A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
+rolled back as well, and the error propagates as raised. An offloaded step (offload.py) is always
+guarded, by a snapshot of the state alone: it writes the device parameters only once its update is
+done, and its host copies are written again at every step instead of allocated.
+
 Sharded parameters and state (FSDP2's DTensors) are copied and restored through their local
 shards: each rank saves and restores its own shard, and no copy communicates.
 """
