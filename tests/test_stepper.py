@@ -258,10 +258,28 @@ def test_the_stepper_under_ddp_keeps_every_rank_in_lockstep_and_clips_the_reduce
     assert codes == [0, 0] and not killed
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0] == seen[1]  # the same attempts, losses and norms on both ranks
-    assert seen[0]["attempts"] == [[0, 4, "oom"], [0, 2, "ok"], [1, 3, "ok"]]  # 4 rows per rank
+    assert seen[0]["attempts"] == [[0, 4, False, "oom"], [0, 2, False, "ok"], [1, 3, False, "ok"]]  # 4 rows per rank
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     expected, norms = stepper_ranks.split_loop([2, 3])
     assert seen[0]["norms"] == norms and min(norms) > 0.15
+    for state in states:
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_the_stepper_under_ddp_offloads_the_users_optimizer_on_every_rank_with_its_scheduler(tmp_path):
+    """Offloaded on both ranks from the first step: the StepLR reaches every update, the optimizer
+    keeps its state, and the parameters equal the single-process loop bit for bit."""
+    codes, killed = spawn_ranks(stepper_ranks.worker,
+                                lambda r: (r, str(tmp_path / "init"), str(tmp_path), True), 2, 180)
+    assert codes == [0, 0] and not killed
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0] == seen[1]
+    assert seen[0]["attempts"] == [[0, 4, False, "oom"], [0, 4, True, "ok"], [1, 4, True, "ok"]]
+    assert seen[0]["state"] == 4
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected, norms = stepper_ranks.split_loop([4, 4], scheduler=stepper_ranks.decay)
+    assert seen[0]["norms"] == norms
     for state in states:
         assert all(torch.equal(state[k], expected[k]) for k in expected)
 
