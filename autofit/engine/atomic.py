@@ -66,7 +66,7 @@ class Snapshot:
         spare = spare or {}
 
         def copy_of(p, k, v):
-            kept = spare.get((p, k))
+            kept = spare.get((id(p), k))
             if kept is not None and type(v) is torch.Tensor and kept.shape == v.shape \
                     and kept.dtype == v.dtype and kept.stride() == v.stride():
                 return kept.copy_(v.detach())
@@ -84,9 +84,10 @@ class Snapshot:
             self.groups = save_groups(optimizer)  # some optimizers count steps in the group
 
     def spare(self) -> dict:
-        """{(param, key): host copy} for the next snapshot, once this one is not needed (a restore
-        may hand these copies to the optimizer: never after one)."""
-        return {(p, k): v for p, s in self.state.items() for k, v in s.items() if isinstance(v, torch.Tensor)}
+        """{(id(param), key): host copy} for the next snapshot, once this one is not needed (a
+        restore may hand these copies to the optimizer: never after one)."""
+        return {(id(p), k): v for p, s in self.state.items() for k, v in s.items()
+                if isinstance(v, torch.Tensor)}
 
     def restore(self) -> None:
         """Copy everything back in place; state made by the failed step is dropped."""
