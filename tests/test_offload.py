@@ -494,3 +494,29 @@ def test_an_interrupt_or_oom_at_every_op_of_an_offloaded_step_leaves_no_half_upd
     # Interrupts during the write-back are held until it ends: the step is then applied whole.
     assert outcomes[0] == "before" and outcomes[-1] == "after"
     assert outcomes == sorted(outcomes, key=["before", "after"].index)
+
+
+def test_fp16_with_a_grad_scaler_under_offload_matches_the_plain_loop():
+    """The scaler unscales on the device (where it looks for infinities), then steps the user's
+    optimizer on the host."""
+    data = batches(n=3)
+    model = Net()
+    opt = OPTIMIZERS["AdamW"](model.trained())
+    with autofit.simulate_gpu() as gpu:
+        with autofit.stepper(model, opt, loss_fn=loss_fn, precision="fp16", ladder=offload_optimizer(),
+                             cache=False) as step:
+            gpu.fail_at(gpu.allocation_count)
+            outs = [step(b) for b in data]
+    assert [o.plan.offload_optimizer for o in outs] == [True] * 3
+    ref = Net()
+    ref_opt = OPTIMIZERS["AdamW"](ref.trained())
+    scaler = torch.amp.GradScaler("cpu")
+    for b in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ref, b)
+        scaler.scale(loss * 1.0).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
