@@ -458,9 +458,14 @@ def _faulted_run(monkeypatch, fault_step, call, index, error):
     return model, opt, before, faults[0].seen, raised
 
 
-@pytest.mark.parametrize("fault_step, call", [(1, 0), (0, 2)], ids=["first-offloaded-step", "later-step"])
+SWEEPS = [pytest.param(1, 0, 1, id="first-offloaded-step", marks=pytest.mark.slow),
+          pytest.param(0, 2, 1, id="later-step", marks=pytest.mark.slow),
+          pytest.param(0, 2, 7, id="later-step-sampled")]  # every 7th op and the write-back's
+
+
+@pytest.mark.parametrize("fault_step, call, stride", SWEEPS)
 def test_an_interrupt_or_oom_at_every_op_of_an_offloaded_step_leaves_no_half_update(monkeypatch, fault_step,
-                                                                                  call):
+                                                                                  call, stride):
     """A KeyboardInterrupt at each op: it propagates, and parameters and state are both as before
     the step or both as after it. An OOM at each op: the step is replayed, and the run ends equal to
     the plain loop (nothing applied twice). `first-offloaded-step` is the one that moves the state
@@ -474,7 +479,8 @@ def test_an_interrupt_or_oom_at_every_op_of_an_offloaded_step_leaves_no_half_upd
     *_, ops, raised = _faulted_run(monkeypatch, fault_step, call, 10 ** 9, KeyboardInterrupt)
     assert raised is None and ops > 40
     outcomes = []
-    for index in range(ops):
+    indices = sorted(set(range(0, ops, stride)) | set(range(max(ops - 8, 0), ops)))
+    for index in indices:
         model, opt, before, _, raised = _faulted_run(monkeypatch, fault_step, call, index, KeyboardInterrupt)
         assert isinstance(raised, KeyboardInterrupt), index
         assert _equal(before, ref_before[0], ref_before[1]), index
