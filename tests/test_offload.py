@@ -81,7 +81,8 @@ class ClipSGD(torch.optim.SGD):
         return super().step()
 
 
-# SparseAdam is left out: the simulated GPU cannot count sparse tensors (test_same_math runs it).
+# SparseAdam is left out: the simulated GPU cannot count sparse tensors (SparseNet is kept for the
+# day it can).
 OPTIMIZERS = {  # name: factory params -> optimizer
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "Adam": lambda p: torch.optim.Adam(p, lr=0.01),
