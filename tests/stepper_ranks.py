@@ -1,6 +1,7 @@
 """What each of two gloo ranks runs in tests/test_stepper.py's DDP test, in a module that imports only
 torch and autofit (a spawned rank starts in seconds), and the single-process loop it must equal."""
 
+import contextlib
 import json
 import os
 from datetime import timedelta
@@ -30,7 +31,13 @@ def halve(plan):
     return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
 
 
-def worker(rank, init_file, out_dir):
+def decay(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def worker(rank, init_file, out_dir, offload=False):
+    """`offload`: on a simulated GPU, the OOM steps both ranks down to optimizer offload, with a
+    StepLR scheduler (its wrapper around the optimizer's step must reach the update)."""
     os.environ["AUTOFIT_CACHE_DIR"] = os.path.join(out_dir, f"cache-{rank}")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -41,10 +48,16 @@ def worker(rank, init_file, out_dir):
             hook.remove()
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
         hook = net.register_forward_pre_hook(fail_once)
-    with autofit.stepper(net, torch.optim.AdamW, loss_fn=loss_fn, precision="fp32", ladder=halve,
-                         max_grad_norm=MAX_NORM, cache=False) as step:
-        outs = [step(b) for b in batches()]
-    seen = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome] for a in step.attempts],
+    from autofit.plans.ladder import offload_optimizer
+    with autofit.simulate_gpu() if offload else contextlib.nullcontext():
+        with autofit.stepper(net, torch.optim.AdamW, loss_fn=loss_fn, precision="fp32",
+                             ladder=offload_optimizer() if offload else halve,
+                             scheduler=decay if offload else None, max_grad_norm=MAX_NORM,
+                             cache=False) as step:
+            outs = [step(b) for b in batches()]
+    seen = {"attempts": [[a.step, a.plan.micro_batch_size, a.plan.offload_optimizer, a.outcome]
+                         for a in step.attempts],
+            "state": len(step.optimizer.state_dict()["state"]),
             "norms": [o.grad_norm for o in outs], "losses": [o.loss for o in outs]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -52,7 +65,7 @@ def worker(rank, init_file, out_dir):
     torch.distributed.destroy_process_group()
 
 
-def split_loop(micro_sizes):
+def split_loop(micro_sizes, scheduler=None):
     """One process doing what the ranks do: each rank's rows accumulated on their own in micro-batches
     weighted by their share of the global batch, the ranks' gradients summed, then clipped."""
     threads = torch.get_num_threads()
@@ -61,6 +74,7 @@ def split_loop(micro_sizes):
         net = model()
         params = list(net.parameters())
         opt = torch.optim.AdamW(params)
+        sched = None if scheduler is None else scheduler(opt)
         norms = []
         local = GLOBAL // WORLD
         for batch, micro in zip(batches(), micro_sizes):
@@ -76,6 +90,8 @@ def split_loop(micro_sizes):
                 p.grad = g
             norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item())
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad(set_to_none=True)
         return net.state_dict(), norms
     finally:

@@ -8,7 +8,7 @@ import torch
 import autofit
 from autofit.engine.atomic import AtomicStep, PartialUpdateError
 from autofit.gpu.device import SimulatedDevice
-from autofit.engine.offload import Offloaded
+from autofit.engine.offload import Offload, to_device
 
 
 def _setup(gpu, steps_before: int, model=None):
@@ -101,20 +101,31 @@ def test_steps_known_to_fit_skip_the_snapshot():
         assert atomic.need["plan"] > 0
 
 
-def test_offloaded_state_lives_on_the_host_and_comes_back():
+def test_offloaded_state_lives_on_the_host_in_the_users_optimizer_and_comes_back():
+    """The state moves to the host inside the same optimizer (same dicts, same keys); a step there
+    allocates nothing on the device and equals the device step bit for bit; to_device brings it back."""
     with autofit.simulate_gpu() as gpu:
         model, optimizer, device = _setup(gpu, 1)
         reference = _twin(model, optimizer)
         with_state = gpu.memory_allocated()
-        offloaded = Offloaded(optimizer, device)
+        offload = Offload(optimizer, device)
         state_bytes = with_state - gpu.memory_allocated()
         assert state_bytes >= 2 * sum(p.numel() * 4 for p in model.parameters())
-        assert len(optimizer.state) == 0
-        offloaded.step()
+        assert len(optimizer.state) == 4 and not any(
+            gpu.holds(v) for s in optimizer.state.values() for v in s.values())
+        before = gpu.memory_allocated()
+        gpu.reset_peak_memory_stats()
+        offload.step(optimizer.step)
+        assert gpu.max_memory_allocated() == before  # the update allocated nothing on the device
+        assert offload.bytes_moved == 3 * sum(p.numel() * 4 for p in model.parameters())
+        assert all(gpu.holds(p) and gpu.holds(p.grad) for p in model.parameters())
         reference[1].step()
-        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference[0].parameters()))
-        assert diff <= 1e-6
-        offloaded.give_back()
+        for p, q in zip(model.parameters(), reference[0].parameters()):
+            assert torch.equal(p, q)
+            assert optimizer.state[p].keys() == reference[1].state[q].keys()
+            assert all(torch.equal(v, reference[1].state[q][k]) for k, v in optimizer.state[p].items())
+        offload.close()
+        to_device(optimizer, device)
         assert gpu.memory_allocated() == with_state
         assert optimizer.param_groups[0]["foreach"] is True
         assert int(optimizer.state[next(iter(model.parameters()))]["step"]) == 2

@@ -170,3 +170,53 @@ def test_seed_004_train_and_validate_loop_converted_by_three_lines():
             expected.append(sum(loss_fn(reference, b).item() for b in load_data(*data[1], batch_size=10)) / 2)
     assert max_diff(model, reference) == 0.0
     assert all(abs(a - b) <= 1e-6 for a, b in zip(validations, expected))
+
+
+# -- both reports on a card where only optimizer offload fits --------------------------------------
+
+def heavy():
+    """A model whose weights dominate its memory (a large vocabulary), as BERT-base's do on a 2 GiB
+    card: the capacity check must move the optimizer state to the host."""
+    return bert(layers=1, hidden=16, vocab=20000)
+
+
+def offload_card(batch, rows, loss_fn=None):
+    offloaded = peak(heavy(), batch, Plan(rows, offload_optimizer=True), loss_fn)
+    on_device = peak(heavy(), batch, Plan.for_batch(rows, 1), loss_fn)  # the least without offload
+    assert offloaded < on_device
+    return (offloaded + on_device) // 2
+
+
+def test_seed_000_where_only_offload_fits_keeps_its_schedules():
+    train_iter = cls_batches(2, rows=16, seq=24)
+    card = offload_card(train_iter[0], 16)
+    model = heavy()
+    outs = []
+    with autofit.simulate_gpu(card):
+        seed_000_program(model, train_iter, seed_000_phase, outs)
+    assert len(outs) == 6 and all(o.plan.offload_optimizer for o in outs)
+    assert all(o.attempts[-1].outcome == "ok" for o in outs)
+    reference = heavy()
+    seed_000_program(reference, train_iter, seed_000_plain_phase, iter(o.plan.micro_batch_size for o in outs))
+    assert max_diff(model, reference) == 0.0
+
+
+def test_seed_004_where_only_offload_fits_matches_the_plain_loop():
+    data = (rows(30, 1), rows(20, 2))
+    loss_fn = lambda m, b: m(b[0], attention_mask=apply_attention_mask(b[0]), labels=b[1]).loss
+    card = offload_card(tuple(t[:10] for t in data[0]), 10, loss_fn)
+    model = heavy()
+    with autofit.simulate_gpu(card):
+        step, validations = seed_004_loop(model, data, epochs=2)
+    done = [a for a in step.attempts if a.outcome == "ok"]
+    assert len(done) == 6 and all(a.plan.offload_optimizer for a in done)
+    reference = heavy()
+    optim = AdamW(reference.parameters(), lr=2e-5, eps=1e-8)
+    for epoch in range(2):
+        for x, y in load_data(*data[0], batch_size=10):
+            accumulate(reference, (x, y), done.pop(0).plan.micro_batch_size, loss_fn)
+            optim.step()
+            optim.zero_grad()
+    assert max_diff(model, reference) == 0.0
+    # The optimizer the user holds kept its state (on the host): a checkpoint has all of it.
+    assert len(step.optimizer.state_dict()["state"]) == len(list(model.parameters()))

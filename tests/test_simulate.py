@@ -339,3 +339,15 @@ def test_inner_tensors_reads_a_generator_once_and_keeps_every_tensor():
     a, b = torch.zeros(3), torch.ones(2)
     assert [t is x for t, x in zip(inner_tensors(t for t in (a, b)), (a, b))] == [True, True]
     assert len(inner_tensors(iter([a, b]))) == 2
+
+
+def test_a_sparse_gradient_is_counted_by_its_indices_and_values():
+    with simulate_gpu() as gpu:
+        emb = torch.nn.Embedding(12, 3, sparse=True)
+        emb(torch.tensor([[1, 2, 3]])).sum().backward()
+        grad = emb.weight.grad
+        assert grad.is_sparse and gpu.holds(grad)
+        held = gpu.memory_allocated()
+        emb.weight.grad = None
+        del grad
+        assert held - gpu.memory_allocated() == 2 * 512  # int64 [1, 3] indices, float32 [3, 3] values

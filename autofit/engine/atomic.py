@@ -10,6 +10,11 @@ copied back in place if the step runs out of memory. A step known to fit runs wi
 a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
 `PartialUpdateError` instead of being retried on top of itself.
 
+A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
+rolled back as well, and the error propagates as raised. An offloaded step (offload.py) is always
+guarded, by a snapshot of the state alone: it writes the device parameters only once its update is
+done, and its host copies are written again at every step instead of allocated.
+
 Sharded parameters and state (FSDP2's DTensors) are copied and restored through their local
 shards: each rank saves and restores its own shard, and no copy communicates.
 """
@@ -51,21 +56,38 @@ def _like(saved: torch.Tensor, model: torch.Tensor, device) -> torch.Tensor:
 
 
 class Snapshot:
-    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate."""
+    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate.
+    `params=False`: the parameters are left out (an offloaded step writes them only once it is
+    applied, see offload.py); the state is still restored for every parameter. `spare`: the host
+    copies of an earlier snapshot that nothing else holds, written again instead of allocated."""
 
-    def __init__(self, optimizer, device):
+    def __init__(self, optimizer, device, params: bool = True, spare: dict | None = None):
         self.optimizer = optimizer
+        spare = spare or {}
+
+        def copy_of(p, k, v):
+            kept = spare.get((id(p), k))
+            if kept is not None and type(v) is torch.Tensor and kept.shape == v.shape \
+                    and kept.dtype == v.dtype and kept.stride() == v.stride():
+                return kept.copy_(v.detach())
+            return _host_copy(v)
         with torch.no_grad(), device.host():
-            self.params = [(p, _host_copy(p)) for p in _params(optimizer)]
+            self.params = [(p, _host_copy(p) if params else None) for p in _params(optimizer)]
             self.state = {}
             self.kinds = {}  # (param, key) -> the state tensor as it was (to rebuild a DTensor from)
             for p, _ in self.params:
                 if p in optimizer.state:
-                    self.state[p] = {k: (_host_copy(v) if isinstance(v, torch.Tensor) else v)
+                    self.state[p] = {k: (copy_of(p, k, v) if isinstance(v, torch.Tensor) else v)
                                      for k, v in optimizer.state[p].items()}
                     self.kinds.update({(p, k): v for k, v in optimizer.state[p].items()
                                        if isinstance(v, torch.Tensor)})
             self.groups = save_groups(optimizer)  # some optimizers count steps in the group
+
+    def spare(self) -> dict:
+        """{(id(param), key): host copy} for the next snapshot, once this one is not needed (a
+        restore may hand these copies to the optimizer: never after one)."""
+        return {(id(p), k): v for p, s in self.state.items() for k, v in s.items()
+                if isinstance(v, torch.Tensor)}
 
     def restore(self) -> None:
         """Copy everything back in place; state made by the failed step is dropped."""
@@ -73,7 +95,8 @@ class Snapshot:
         restore_groups(self.optimizer, self.groups)
         with torch.no_grad():
             for p, saved in self.params:
-                _local(p).copy_(saved)
+                if saved is not None:
+                    _local(p).copy_(saved)
                 if p not in self.state:
                     state.pop(p, None)
                     continue
@@ -101,6 +124,7 @@ class AtomicStep:
         self.snapshots = 0    # how many steps were guarded (for reports and tests)
         self.outer_peak = 0   # the device peak just before the last step (its counter is reset)
         self.failed_at = None  # bytes allocated when the last step ran out of memory
+        self._spare = None     # the last state-only snapshot's copies, reused by the next one
 
     def at_risk(self, key) -> bool:
         if self.device.fault_armed:
@@ -111,9 +135,14 @@ class AtomicStep:
         need = self.need.get(key)
         return need is None or free < need * HEADROOM + HEADROOM_BYTES
 
-    def __call__(self, step_fn, key=None, guard: bool | None = None) -> None:
+    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True) -> None:
+        """`params=False`: the snapshot leaves the parameters out (an offloaded step, guarded at
+        every step: its host copies are kept and written again by the next one)."""
         guard = self.at_risk(key) if guard is None else guard
-        snapshot = Snapshot(self.optimizer, self.device) if guard else None
+        spare, self._spare = self._spare, None
+        snapshot = Snapshot(self.optimizer, self.device, params, spare if not params else None) \
+            if guard else None
+        del spare
         if snapshot is not None:
             self.snapshots += 1
         before = self.device.memory_allocated()
@@ -122,14 +151,18 @@ class AtomicStep:
         failure = None
         try:
             step_fn()
-        except Exception as error:
+        except BaseException as error:
             if not is_oom(error):
+                if snapshot is not None:  # an interrupt or another error: propagates, rolled back
+                    snapshot.restore()
                 raise
             failure = summarize(error)
             self.failed_at = self.device.memory_allocated()
         step_peak = self.device.max_memory_allocated()
         if failure is None:
             self.need[key] = max(step_peak - before, 0)
+            if snapshot is not None and not params:
+                self._spare = snapshot.spare()
             return
         # Out of the except block: the failed step's frames and temporaries are gone.
         if snapshot is None:

@@ -5,6 +5,7 @@ A low module (it imports no recipe), so every recipe can use it without importin
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -92,8 +93,32 @@ def build_scheduler(scheduler, optimizer):
             raise ValueError(f"the scheduler ({type(scheduler).__name__}) is built on another optimizer "
                              f"than the one training steps; build it on the optimizer you pass, or pass "
                              f"a factory optimizer -> scheduler.")
-        return scheduler
+        return check_scheduler_steps(scheduler)
     if callable(scheduler):
-        return scheduler(optimizer)
+        return check_scheduler_steps(scheduler(optimizer))
     raise TypeError(f"scheduler must be a learning-rate scheduler, a factory optimizer -> scheduler, or "
                     f"None but got {type(scheduler).__name__}.")
+
+
+def check_scheduler_steps(scheduler):
+    """`scheduler` when its `step()` runs without arguments (autofit calls it so, once per optimizer
+    step); a scheduler whose step needs one (ReduceLROnPlateau's metric) is refused before training."""
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise TypeError(f"the scheduler ({type(scheduler).__name__}) has no step() to call once per "
+                        f"optimizer step.")
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return scheduler  # a builtin: nothing to read; it is called as it is
+    required = [p.name for p in signature.parameters.values()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        name = type(scheduler).__name__
+        raise ValueError(
+            f"{name}.step needs {', '.join(required)}, but autofit steps the scheduler once per optimizer "
+            f"step without arguments. Pass scheduler=None and step it yourself in the stepper loop, "
+            f"outside step(batch): `with autofit.stepper(model, optimizer) as step: ... out = step(batch); "
+            f"... scheduler.step({required[0]})`.")
+    return scheduler

@@ -1,104 +1,193 @@
-"""Optimizer-state offload: the update runs on the host, the device keeps parameters and gradients.
+"""Optimizer-state offload: the user's optimizer keeps its state in host memory and steps there.
 
-`Offloaded` stands in for the user's optimizer during offloaded plans. It shares the user's
-`param_groups` (so a scheduler that changes the learning rate still reaches the update) and keeps
-an optimizer of the same class over fp32 host copies of the parameters. Each step copies the
-gradients to the host, runs the same update there, and copies the parameters back in place, so the
-device never allocates for the update.
+Decision: the step runs on the host, on the optimizer's own state tensors, with exactly one call of
+the user's `optimizer.step()`. Between steps every tensor of `optimizer.state` lives in host memory.
+For the step, each parameter held on the device is staged: its values and gradient are copied into
+host buffers (pinned on CUDA, kept from one step to the next) and the parameter's `data` and `grad`
+are swapped to them, so the same Parameter objects (the keys of `optimizer.state`, the entries of
+`param_groups`) are stepped on the host. Afterwards each device tensor is written back in place and
+the swap undone.
+
+Why this design over the alternatives:
+- the optimizer object, its param_groups, its hooks, a scheduler's wrapper around its `step` and its
+  `state_dict()` stay the user's: nothing is copied or rebuilt, so `state_dict()`/`load_state_dict()`,
+  `add_param_group`, every scheduler and `torch.save` act as in a plain loop;
+- one `optimizer.step()` per global batch: bringing the state to the device one parameter at a time
+  would call the user's step (its hooks, counters and the scheduler's wrapper) once per parameter;
+  bringing all of it to the device for the step would need all of it on the device at once;
+- the device allocates nothing for the update: the device peak of an offloaded step is the
+  parameters, gradients and activations; the state and the update's temporaries are host memory;
+- the parameters are read from the device at every step, so the user's own writes between steps
+  (`p.clamp_`, `model.load_state_dict(earlier)`) are what is stepped.
+Cost: per step, each staged parameter moves three times its size (values and gradient to the host,
+values back; `bytes_moved`), and the update runs at host speed.
+
+Consistency: the device parameters are untouched until the write-back; a failure before it (an OOM,
+a KeyboardInterrupt) leaves them as they were, and the atomic step restores the host state from its
+snapshot (`atomic.Snapshot(params=False)`). Once the write-back has begun the update is applied: an
+interrupt there is held until every parameter is written (`interrupted`), then raised by the runner
+after the step, with parameters and state both after the update.
+
+Where the state is: on the host from the first offloaded step (and right after a `load_state_dict`,
+which torch places on the parameters' device) until a plan without offload takes it back to the
+device (`to_device`); after the run it stays where the last plan kept it. Group options a host step
+cannot run with (`capturable`) are off during the host step only.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
-from collections import defaultdict
 
 import torch
 
-_HOST_ONLY_DEFAULTS = {"foreach": None, "fused": None, "capturable": False}
+from autofit.errors import PartialUpdateError
+from autofit.gpu.oom import is_oom
+
+_HOST_OFF = ("capturable",)  # group options that need device tensors: off while the host steps
 
 
-class Offloaded:
+def params_of(optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in group order, each once."""
+    seen, out = set(), []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class Offload:
+    """The user's optimizer with its state on the host; `step(run)` stages the parameters and calls
+    `run()` (which calls `optimizer.step()` once) with them on the host."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, device):
-        self.optimizer = optimizer
-        self.device = device
-        with torch.no_grad(), device.host():
-            self.pairs = [(p, p.detach().to("cpu", copy=True)) for g in optimizer.param_groups
-                          for p in g["params"]]
-            self.host = _host_copy(optimizer, {id(p): h for p, h in self.pairs})
-            groups = [{k: g[k] for k in _HOST_ONLY_DEFAULTS if k in g} for g in self.host.param_groups]
-            self.host.load_state_dict(_state_dict_copy(optimizer, lambda v: v.detach().to("cpu", copy=True)))
-            _restore_group_options(self.host, groups)
-        # The device copy of the state is now redundant: free it.
-        optimizer.state.clear()
-        self.clip = None  # clip(host params) before each update: gradient clipping on the host copy
+        self.optimizer, self.device = optimizer, device
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(p) -> (values, grad)
+        self.interrupted: BaseException | None = None  # held during the write-back, raised after it
+        self.bytes_moved = 0  # host <-> device bytes of the last step
+        # load_state_dict places the state on the parameters' device: take it back to the host.
+        self._hook = optimizer.register_load_state_dict_post_hook(lambda opt: self.to_host())
+        self.to_host()
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups  # shared: GradScaler and schedulers act on these
-
-    @property
-    def state(self):
-        return self.host.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("optimizer offload does not support closures; use a plain optimizer "
-                             "or a ladder without offload_optimizer.")
+    # -- where the state lives ------------------------------------------------------------------
+    def to_host(self) -> None:
+        """Replace every state tensor held on the device by a host copy."""
+        on_device = self.device.on_device
         with torch.no_grad(), self.device.host():
-            for group, host_group in zip(self.optimizer.param_groups, self.host.param_groups):
-                for k, v in group.items():  # learning-rate schedules act on the user's groups
-                    if k != "params" and k not in _HOST_ONLY_DEFAULTS:
-                        host_group[k] = v
-            for p, h in self.pairs:
-                h.grad = None if p.grad is None else p.grad.detach().to("cpu", h.dtype, copy=True)
-            if self.clip is not None:
-                self.clip([h for _, h in self.pairs])
-            self.host.step()
-            for _, h in self.pairs:
-                h.grad = None
-            for group, host_group in zip(self.optimizer.param_groups, self.host.param_groups):
-                for k, v in host_group.items():  # what the step wrote to its groups (step counters)
-                    if k != "params" and k not in _HOST_ONLY_DEFAULTS:
-                        group[k] = v
-        with torch.no_grad():
-            for p, h in self.pairs:
-                p.copy_(h)
+            for state in list(self.optimizer.state.values()):
+                for k, v in list(state.items()):
+                    if isinstance(v, torch.Tensor) and on_device(v):
+                        state[k] = v.detach().to("cpu", copy=True)
 
-    def give_back(self) -> None:
-        """Put the state back into the user's optimizer (on the device), e.g. at the end of a run."""
-        options = [{k: g[k] for k in _HOST_ONLY_DEFAULTS if k in g} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(_state_dict_copy(self.host, self.device.to_device))
-        for group, kept in zip(self.optimizer.param_groups, options):
-            group.update(kept)
-        self.host.state.clear()
+    def close(self) -> None:
+        """Stop offloading; the state stays on the host (`to_device` brings it back)."""
+        self._hook.remove()
+        self.buffers.clear()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self, run) -> None:
+        """Stage the parameters on the host, `run()`, write them back (see the module's docstring)."""
+        self.to_host()  # state a user put back on the device some other way
+        self.interrupted = None
+        self.bytes_moved = 0
+        staged = []  # (param, its device data, its device grad)
+        options = []
+        try:
+            with torch.no_grad(), self.device.host():
+                for p in params_of(self.optimizer):
+                    if self.device.on_device(p):
+                        staged.append((p, p.data, p.grad))  # before the swap: undone whatever happens
+                        self._stage(p)
+            for group in self.optimizer.param_groups:
+                options.append({k: group[k] for k in _HOST_OFF if k in group})
+                group.update({k: False for k in options[-1]})
+            with self.device.host():
+                run()
+        except BaseException:
+            self._unstage(staged, write=False)
+            raise
+        finally:
+            for group, kept in zip(self.optimizer.param_groups, options):
+                group.update(kept)
+        self._unstage(staged, write=True)
+
+    def _stage(self, p) -> None:
+        values, grad = self._buffer(p)
+        data, device_grad = p.data, p.grad
+        values.copy_(data)
+        moved = values.nbytes * 2  # there and back
+        if device_grad is not None:
+            if device_grad.is_sparse or grad is None:
+                grad = device_grad.detach().to("cpu", copy=True)
+            else:
+                grad.copy_(device_grad)
+            moved += device_grad.nbytes if not device_grad.is_sparse else 0
+        p.grad = None  # the swap: data and grad must be on one device at every moment
+        p.data = values
+        p.grad = grad if device_grad is not None else None
+        self.bytes_moved += moved
+
+    def _buffer(self, p) -> tuple:
+        """Host buffers like `p` and its gradient, made once and reused while their shape holds."""
+        kept = self.buffers.get(id(p))
+        grad = p.grad
+        dense = grad is not None and not grad.is_sparse
+        if kept is None or kept[0].shape != p.shape or kept[0].dtype != p.dtype or \
+                (dense and (kept[1] is None or kept[1].shape != grad.shape or kept[1].dtype != grad.dtype)):
+            kept = (self.device.host_empty(p), self.device.host_empty(grad) if dense else None)
+            self.buffers[id(p)] = kept
+        return kept
+
+    def _unstage(self, staged, write: bool) -> None:
+        """Undo the swaps; with `write`, first copy each staged parameter back in place. An
+        interrupt during the write-back is held until every parameter is written: the update is then
+        applied whole (an OOM there, which an in-place copy cannot cause, is not replayed)."""
+        for p, data, grad in staged:
+            if write:
+                try:
+                    data.copy_(p.data)
+                except BaseException as error:
+                    self.interrupted = self.interrupted or error
+                    try:
+                        data.copy_(p.data)
+                    except BaseException as again:
+                        raise PartialUpdateError(
+                            f"the offloaded update could not be written back to the device ({again!r}); "
+                            f"some parameters hold it and some do not, so the run stops here.") from again
+            p.grad = None
+            p.data = data
+            p.grad = grad
+        if self.interrupted is not None and is_oom(self.interrupted):
+            self.interrupted = None  # the copy was done again: nothing is missing
+
+    def raise_interrupted(self) -> None:
+        """Raise an interrupt held during the last write-back (the update is applied)."""
+        error, self.interrupted = self.interrupted, None
+        if error is not None:
+            raise error
 
 
-def _host_copy(optimizer, host_params: dict):
-    """An optimizer like the user's over the host parameters: the same class and every attribute
-    (a subclass's own constructor arguments included) deep-copied, each device parameter mapped to
-    its host copy, the state left out (it is loaded next) and the hooks shared, not copied."""
-    host = type(optimizer).__new__(type(optimizer))
-    memo = dict(host_params)
-    for k, v in optimizer.__dict__.items():
-        if k == "state":
-            host.state = defaultdict(dict)
-        elif k.endswith("_hooks"):
-            host.__dict__[k] = copy.copy(v)
-        else:
-            host.__dict__[k] = copy.deepcopy(v, memo)
-    for options in [host.defaults] + host.param_groups:
-        options.update({k: v for k, v in _HOST_ONLY_DEFAULTS.items() if k in options})
-    return host
+def to_device(optimizer, device) -> None:
+    """Bring host state back next to device parameters, as torch's load_state_dict places it:
+    `step` counters stay on the host unless the group is capturable or fused."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            device_step = bool(group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state or not device.on_device(p):
+                    continue
+                for k, v in list(state.items()):
+                    if not isinstance(v, torch.Tensor) or device.on_device(v):
+                        continue
+                    if k == "step" and not device_step:
+                        continue
+                    state[k] = device.to_device(v)
 
 
-def rebuild_problem(optimizer) -> str | None:
-    """Why `Offloaded` cannot copy this optimizer over host copies, or None when it can: it must
-    step without a closure and keep its defaults in a dict. (Its constructor is never called
-    again: `_host_copy` keeps every attribute, a subclass's own arguments included.)"""
+def offload_problem(optimizer) -> str | None:
+    """Why this optimizer cannot be stepped offloaded, or None: its step must run without a closure."""
     cls = type(optimizer)
     name = cls.__name__
     try:
@@ -108,28 +197,4 @@ def rebuild_problem(optimizer) -> str | None:
     closure = step.parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         return f"{name}.step needs a closure"
-    if not isinstance(getattr(optimizer, "defaults", None), dict):
-        return f"{name} keeps no defaults to rebuild it from"
     return None
-
-
-def _restore_group_options(optimizer, groups) -> None:
-    # load_state_dict copies the saved groups' options; keep the host-only ones.
-    for group, wanted in zip(optimizer.param_groups, groups):
-        for k in _HOST_ONLY_DEFAULTS:
-            if k in group:
-                group[k] = wanted[k]
-
-
-def _state_dict_copy(optimizer, move) -> dict:
-    """The optimizer's state_dict with every state tensor but `step` passed through `move`.
-
-    load_state_dict alone would share tensors that are already on the target device (always the
-    case on the simulated GPU, whose host and device are both the CPU); `step` stays where
-    load_state_dict's own policy puts it.
-    """
-    saved = optimizer.state_dict()
-    saved["state"] = {i: {k: (move(v) if torch.is_tensor(v) and k != "step" else v)
-                          for k, v in s.items()}
-                      for i, s in saved["state"].items()}
-    return saved

@@ -19,7 +19,7 @@ from autofit.engine.batches import split, weights
 from autofit.engine.checkpointing import Checkpointing
 from autofit.errors import NoLossError
 from autofit.plans.ladder import config_of
-from autofit.engine.offload import Offloaded
+from autofit.engine.offload import Offload, to_device
 from autofit.engine.token_loss import weightless
 
 
@@ -74,7 +74,8 @@ class StepRunner:
         self.forward = forward if forward is not None else model  # what is called (a DDP wrapper)
         self.checkpointing = Checkpointing(model)
         self.atomic = AtomicStep(optimizer, device)
-        self.offloaded: Offloaded | None = None
+        self.offloaded: Offload | None = None
+        self._placed = False  # whether host state was checked once for a plan without offload
         self.scaler = None
         self._scaler_state = None
         self.peak = 0
@@ -86,12 +87,13 @@ class StepRunner:
     def prepare(self, plan) -> None:
         self.checkpointing.set(plan.checkpointing)
         if plan.offload_optimizer and self.offloaded is None:
-            self.offloaded = Offloaded(self.optimizer, self.device)
-            if self.max_grad_norm is not None:  # on the host copy: the device allocates nothing for it
-                self.offloaded.clip = self._clip
-        elif not plan.offload_optimizer and self.offloaded is not None:
-            self.offloaded.give_back()
-            self.offloaded = None
+            self.offloaded = Offload(self.optimizer, self.device)
+        elif not plan.offload_optimizer and (self.offloaded is not None or not self._placed):
+            if self.offloaded is not None:
+                self.offloaded.close()
+                self.offloaded = None
+            to_device(self.optimizer, self.device)  # state left on the host by an earlier offload
+        self._placed = True
         if precisions.get(plan.precision).needs_scaler and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         self._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
@@ -113,10 +115,11 @@ class StepRunner:
         return not_applicable(plan, self.model, self.optimizer, self.device, self.checkpointing)
 
     def close(self) -> None:
-        """Leave the model and optimizer as a plain loop would: own switches off, state home."""
+        """Leave the model and optimizer as a plain loop would: own switches off. Offloaded state
+        stays on the host, where the optimizer keeps it (offload.py)."""
         self.checkpointing.restore()
         if self.offloaded is not None:
-            self.offloaded.give_back()
+            self.offloaded.close()
             self.offloaded = None
         self._per_parameter(False)
 
@@ -213,28 +216,40 @@ class StepRunner:
     def _step(self, plan, guard: bool | None = None, wrap=None) -> None:
         """One optimizer step; `guard` overrides the atomic step's own choice (None: its own),
         `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
-        target = self.offloaded or self.optimizer
+        optimizer, offload = self.optimizer, self.offloaded
         self.grad_norm = None
 
-        def step():
+        def update():
             # Clipping is part of the step: an OOM in it rolls back with the update.
             if self.max_grad_norm is not None:
-                if self.scaler is not None:
-                    self.scaler.unscale_(target)  # the norm of the true gradient, not the scaled one
-                if self.offloaded is None:
-                    self._clip(self.model.parameters())
+                self._clip(self.model.parameters())
             if self.scaler is not None:
-                self.scaler.step(target)
+                self.scaler.step(optimizer)
             else:
-                target.step()
+                optimizer.step()
+
+        def step():
+            if self.scaler is not None and (self.max_grad_norm is not None or offload is not None):
+                # The norm of the true gradient, not the scaled one; under offload on the device,
+                # where the scaler looks for infinities.
+                self.scaler.unscale_(optimizer)
+            if offload is None:
+                update()
+            else:  # the user's optimizer, stepped once, on the host (offload.py)
+                offload.step(update)
         if wrap is not None:
             step = wrap(step)
         step = self._phased(step)
         key = config_of(plan)
         try:
-            self.atomic(step, key=key, guard=False if self.offloaded is not None else guard)
+            # An offloaded step is always guarded: its snapshot is host state only, and an
+            # interrupt anywhere in it must leave no half-applied update.
+            self.atomic(step, key=key, guard=True if offload is not None else guard,
+                        params=offload is None)
         finally:
             self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
+        if offload is not None:
+            offload.raise_interrupted()  # held while the update was written back: it is applied
         if self.scaler is not None:
             self.scaler.update()
         if self.scheduler is not None:

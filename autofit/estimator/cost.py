@@ -26,7 +26,8 @@ batch in one fp32 micro-batch, without checkpointing or offload. It is a model, 
   backward). Both below the cost of halving a micro-batch of 8 rows, in the ladder's order
   (plans.ladder.sharded).
 - offload: OFFLOAD_COST (3x): the optimizer update runs on the host and every step copies the
-  gradients there and the parameters back. The slowest lever, used when nothing else fits.
+  parameters and gradients there and the parameters back. The slowest lever, used when nothing
+  else fits.
 """
 
 from __future__ import annotations

@@ -112,6 +112,15 @@ class Device:
         """A context whose allocations are host memory (snapshots, offloaded optimizer state)."""
         return contextlib.nullcontext()
 
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is in device memory, apart from the host's (none is on the plain CPU)."""
+        return False
+
+    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor shaped and strided like `like` (pinned on CUDA: copies to
+        and from it need no staging)."""
+        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu")
+
     def live_tensors(self) -> list[torch.Tensor]:
         """Tensors reachable from Python that hold device memory, largest first (for diagnostics)."""
         return []
@@ -178,6 +187,9 @@ class SimulatedDevice(Device):
     def host(self):
         return self.gpu.untracked()
 
+    def on_device(self, tensor):
+        return self.gpu.holds(tensor)
+
     def live_tensors(self):
         live = {id(s) for s, _ in self.gpu.live_storages()}
         return _live_python_tensors(lambda t: id(t.untyped_storage()) in live)
@@ -240,6 +252,13 @@ class CudaDevice(Device):
 
     def shares(self, tensor):
         return tensor.device == self.torch_device
+
+    def on_device(self, tensor):
+        return tensor.device.type == "cuda"
+
+    def host_empty(self, like):
+        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu",
+                                   pin_memory=True)
 
     def live_tensors(self):
         return _live_python_tensors(lambda t: t.is_cuda)

@@ -41,14 +41,17 @@ def round_bytes(nbytes: int) -> int:
 def inner_tensors(tensors) -> list:
     """`tensors` with each wrapper subclass (DTensor: a sharded parameter, its gradient and its
     optimizer state) replaced by the tensors it wraps: a wrapper's own storage is a placeholder of
-    the global shape, the memory is its local shard's."""
+    the global shape, the memory is its local shard's. A sparse COO tensor (an Embedding's sparse
+    gradient) is replaced by its indices and values."""
     if not isinstance(tensors, (list, tuple)):
         tensors = list(tensors)  # a generator (memory.by_kind's walk) must be read once only
-    if all(type(t) is torch.Tensor for t in tensors):
+    if all(type(t) is torch.Tensor and t.layout is torch.strided for t in tensors):
         return tensors  # what ops return almost always: nothing to unwrap
     out = []
     for t in tensors:
-        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
+            out.extend((t._indices(), t._values()))  # a sparse tensor's memory is these two
+        elif type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
             inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
             out.extend(inner_tensors([i for i in inner if isinstance(i, torch.Tensor)]))
         else:
@@ -133,6 +136,8 @@ class SimulatedGPU:
         self._account(list(tensors), check=False)
 
     def holds(self, tensor: torch.Tensor) -> bool:
+        if tensor.layout is torch.sparse_coo:
+            tensor = tensor._values()
         return id(tensor.untyped_storage()) in self._live
 
     def live_storages(self) -> list[tuple[torch.UntypedStorage, int]]:

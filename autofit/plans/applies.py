@@ -4,7 +4,7 @@ cannot run is skipped with its reason instead of raising in the middle of a run.
 `not_applicable(plan, ...)` names the first part of `plan` that cannot run here, or None:
 - activation checkpointing on a model with no repeated blocks and no Hugging Face switch;
 - a precision the device does not support (bf16 without bf16 support: Precision.supported_on);
-- optimizer offload of an optimizer that cannot be rebuilt over host copies (see offload.py);
+- optimizer offload of an optimizer whose step needs a closure (see offload.py);
 - a per-parameter step for an optimizer without a `foreach` option, a fused one, or one that
   already updates one parameter at a time;
 - FSDP2's settings (reshard_after_forward, a reduce-scatter per micro-batch) on a model that is not
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from autofit.distributed.fsdp import plan_problem as fsdp_problem
 from autofit.engine.checkpointing import Checkpointing
-from autofit.engine.offload import rebuild_problem
+from autofit.engine.offload import offload_problem
 from autofit.plans import precision as precisions
 
 
@@ -33,7 +33,7 @@ def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing 
     if not precisions.get(plan.precision).supported_on(device):
         return f"{plan.precision} is not supported on {device.describe()}"
     if plan.offload_optimizer:
-        problem = rebuild_problem(optimizer)
+        problem = offload_problem(optimizer)
         if problem:
             return f"optimizer offload does not apply: {problem}"
     problem = fsdp_problem(plan, model)

@@ -27,6 +27,9 @@ class RunResult:
     leaks: list = field(default_factory=list)  # autofit.diagnosis.leaks findings: {"kind", "culprit", "bytes", "fix"}
     tune: object = None  # autofit.TuneResult when run(..., tune=...) measured the plans first
     batch_coupled: list = field(default_factory=list)  # names of modules a split changes (BatchNorm)
+    # The optimizer trained (the one given, or built from the factory), with its state: save its
+    # state_dict() to resume. Offloaded state stays in host memory.
+    optimizer: object = None
 
     @property
     def oom_attempts(self) -> int:
@@ -96,7 +99,7 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
                                  cache=cache)
         training.start(first, data=data, tuned=tuned, batch_size=batch_size)
         epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
-        result = RunResult(plan=training.plan, device=training.device.describe(),
+        result = RunResult(plan=training.plan, device=training.device.describe(), optimizer=training.optimizer,
                            budget=training.device.budget, tune=tuned,
                            batch_coupled=list(training.coupling.names))
 

@@ -5,8 +5,8 @@ model placed and in train mode, the optimizer and scheduler built; start (`start
 first global batch): the plan cache, the start plan (tuned, cached, estimated, or the whole batch),
 the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
 last agreement and the cache written after a clean end, then the model, optimizer and device handed
-back as a plain loop would leave them (checkpointing switches off, offloaded state home, the budget
-restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
+back as a plain loop would leave them (checkpointing switches off, the optimizer with its state,
+offloaded state in host memory, the budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
 and agrees with itself, so the recipe reads the same with one rank or many.
 """
 
@@ -263,14 +263,13 @@ class Training:
         self.lockstep.close()
         if not self.was_training:
             self.model.eval()
-        if self.own_optimizer:
-            self.optimizer.state.clear()
         if self.watch is not None:
             self.findings = self.watch.findings
         # Drop the references to the step's objects so gc can free them now.
         self.runner = self.scheduler = self.watch = None
         if self.controller is not None:
             self.controller.runner = None
+            self.controller.start = None  # it holds the optimizer: the caller decides how long it lives
         if self.guide is not None:
             self.guide.estimator = None  # its fake copies of the model and optimizer
         # Collected only while the device holds more outside the model and optimizer than before
