@@ -64,7 +64,12 @@ class Controller:
         # Buffers and parameters the model makes during an attempt (a lazily registered buffer, a
         # LazyLinear) and optimizer state belong to the job, not to the failed attempt: `grows`.
         self.attempter = Attempter(self.device, lambda: (self.model, self.runner.optimizer), grows=True,
-                                   free=lambda: self.runner.abandon())
+                                   free=self._forget_attempt)
+        runner.before_backward = self.start.reached  # leaves outside the model keep their gradients
+
+    def _forget_attempt(self) -> None:
+        self.runner.abandon()
+        self.start.failed()
 
     # -- public --------------------------------------------------------------------------------
     def train(self, batch, step: int) -> float:
@@ -138,8 +143,7 @@ class Controller:
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
         block, while the failed blocks are held."""
-        where = getattr(self.runner, "phase", "") or (
-            "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward")
+        where = self.runner.phase  # the runner's own record of where the attempt was
         at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
         held = by_kind(self.device, self.model, self.runner.optimizer)
         return where, held, at_failure
