@@ -13,8 +13,10 @@ the number of labels it counts (shifted by one for causal LMs), or 1 when it ign
 
 A `loss_fn` that takes a `num_items_in_batch` keyword gets the same global count (the model's
 count when the model honours it, else the labels that are not -100, or the rows when the batch has
-no labels) and weighs 1; any other `loss_fn` is weighted by rows, and a batch with per-token
-labels says so once.
+no labels) and weighs 1. Any other loss (a `loss_fn`, or a model's own that ignores the count) is
+asked how it reduces over its batch (engine/reduction: a mean over rows, over label tokens shifted
+or not, or a sum) and weighted by that; what was found is said once. A loss that matches none is
+weighted by rows, with a warning naming the losses measured.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
+from autofit.engine.reduction import ROWS, SHIFTED, SUM, probe_reduction, state_kept
 
 log = logging.getLogger("autofit")
 
@@ -111,8 +114,11 @@ class LossWeighting:
     count: Callable | None = None   # batch -> items its loss averages over; None: rows
     pass_items: bool = False        # hand num_items_in_batch=count(global batch) on; each part weighs 1
     why: str = "rows: a per-row mean"
+    summed: bool = False            # the loss is a sum over its batch: micro losses add, each weighs 1
 
     def shares(self, batch, parts) -> list[float]:
+        if self.summed:
+            return [1.0] * len(parts)
         if self.pass_items:
             self.items(batch)  # refuses a batch with no label token, as weights() does
             return [1.0] * len(parts)
@@ -253,9 +259,10 @@ def _loss(out):
 
 def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None) -> LossWeighting:
     """The weighting of a run's micro-batches, decided once from its first batch (and said once).
-    `probe=False` never runs the model to find how it counts with `num_items_in_batch` (a sharded
-    model's forward communicates); whether its loss shifts labels is still asked, through `call`
-    (see shifts_labels)."""
+    A loss that takes `num_items_in_batch` is told the global count; any other is asked how it
+    reduces (engine/reduction: rows mean, label-token mean shifted or not, sum). `probe=False`
+    never runs the model (a sharded model's forward communicates): whether its loss shifts labels
+    is still asked, through `call` (see shifts_labels), and a loss_fn is weighted by rows."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
@@ -264,18 +271,30 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None)
     if (loss_fn is None or fn_items) and labels is not None and isinstance(batch, Mapping) \
             and probe and forward_takes_items(model):
         counting = probe_counting(model, batch, device)
+    if fn_items:
+        count = label_tokens(counting == "shifted") if counting else _rows_or_labels
+        return LossWeighting(count, True, f"loss_fn gets num_items_in_batch ({counting or 'labels not -100, else rows'})")
+    if loss_fn is None and counting is not None:
+        return LossWeighting(label_tokens(counting == "shifted"), True,
+                             f"{name} divides its loss by num_items_in_batch ({counting} labels)")
+    whose = "loss_fn" if loss_fn is not None else f"{name}'s loss"
+    found = _ask_reduction(model, batch, loss_fn, device) if probe else None
+    if found is not None and found.kind is not None:
+        weighting = _reduced(found.kind, whose)
+        log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
+                 whose, weighting.why, found.measured)
+        return weighting
+    if found is not None and not found.ambiguous:
+        log.warning("%s matches no reduction autofit knows (rows mean, label-token mean, sum): %s; "
+                    "micro-batches are weighted by rows. Make the loss a mean over rows or label tokens, or "
+                    "a sum, or give loss_fn a num_items_in_batch parameter.", whose, found.measured)
+        return LossWeighting(why="rows: the loss matched no known reduction")
     if loss_fn is not None:
-        if fn_items:
-            count = label_tokens(counting == "shifted") if counting else _rows_or_labels
-            return LossWeighting(count, True, f"loss_fn gets num_items_in_batch ({counting or 'labels not -100, else rows'})")
         if token_level:
             log.info("loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; "
                      "for a mean over label tokens, give loss_fn a num_items_in_batch parameter and divide "
                      "the summed loss by it (autofit passes the global batch's label-token count)")
         return LossWeighting()
-    if counting is not None:
-        return LossWeighting(label_tokens(counting == "shifted"), True,
-                             f"{name} divides its loss by num_items_in_batch ({counting} labels)")
     weighting = LossWeighting()
     if token_level:
         shifted = shifts_labels(model, batch, device, call)
@@ -285,3 +304,46 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None)
         log.info("%s's loss ignores num_items_in_batch although its forward takes it; micro-batches are "
                  "weighted by %s", name, weighting.why if token_level else "rows")
     return weighting
+
+
+def _reduced(kind: str, whose: str) -> LossWeighting:
+    if kind == SUM:
+        return LossWeighting(why="a sum over its rows: micro-batch losses add, each weighs 1", summed=True)
+    if kind == ROWS:
+        return LossWeighting(why="a mean over rows")
+    return LossWeighting(label_tokens(kind == SHIFTED), False, f"a mean over label tokens (not -100, {kind})")
+
+
+class _Forward:
+    """The model as a probe hands it to a loss_fn: calling it runs `forward` (hooks the user put on
+    the model see training forwards only); every attribute is the model's."""
+
+    def __init__(self, module):
+        self.__dict__["_module"] = module
+
+    def __call__(self, *args, **kwargs):
+        return self._module.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _ask_reduction(model, batch, loss_fn, device):
+    """engine/reduction's probe of the loss (the loss_fn's or the model's own), or None when the
+    batch has fewer than two rows or the probe failed (said, never fatal)."""
+    try:
+        with state_kept(unwrap(model)), _probing(model, device) as inner:
+            def loss_of(part):
+                part = device.to_device(part)
+                if loss_fn is not None:
+                    loss = loss_fn(_Forward(inner), part)
+                else:
+                    out = inner.forward(**part) if isinstance(part, Mapping) else \
+                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
+                    loss = out if isinstance(out, torch.Tensor) else _loss(out)
+                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
+            return probe_reduction(loss_of, batch)
+    except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
+        log.info("cannot ask how the loss reduces over its batch (%s: %s); micro-batches are weighted as "
+                 "before", type(error).__name__, error)
+        return None
