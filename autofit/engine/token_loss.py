@@ -257,12 +257,15 @@ def _loss(out):
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None) -> LossWeighting:
+def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None, ask: bool = True) -> LossWeighting:
     """The weighting of a run's micro-batches, decided once from its first batch (and said once).
     A loss that takes `num_items_in_batch` is told the global count; any other is asked how it
     reduces (engine/reduction: rows mean, label-token mean shifted or not, sum). `probe=False`
     never runs the model (a sharded model's forward communicates): whether its loss shifts labels
-    is still asked, through `call` (see shifts_labels), and a loss_fn is weighted by rows."""
+    is still asked, through `call` (see shifts_labels), and a loss_fn is weighted by rows; `ask=False`
+    does not ask the reduction (under torch.distributed every rank must weigh alike, and a probe that
+    failed on one rank only would part them), so a loss_fn is weighted by rows and a model's own
+    loss by its label tokens."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
@@ -278,7 +281,7 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None)
         return LossWeighting(label_tokens(counting == "shifted"), True,
                              f"{name} divides its loss by num_items_in_batch ({counting} labels)")
     whose = "loss_fn" if loss_fn is not None else f"{name}'s loss"
-    found = _ask_reduction(model, batch, loss_fn, device) if probe else None
+    found = _ask_reduction(model, batch, loss_fn, device) if probe and ask else None
     if found is not None and found.kind is not None:
         weighting = _reduced(found.kind, whose)
         log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
@@ -332,7 +335,7 @@ def _ask_reduction(model, batch, loss_fn, device):
     """engine/reduction's probe of the loss (the loss_fn's or the model's own), or None when the
     batch has fewer than two rows or the probe failed (said, never fatal)."""
     try:
-        with state_kept(unwrap(model)), _probing(model, device) as inner:
+        with _probing(model, device) as inner, state_kept(inner):  # copies in host memory
             def loss_of(part):
                 part = device.to_device(part)
                 if loss_fn is not None:
