@@ -15,8 +15,8 @@ that the loss reached (a discriminator's parameters). Three pieces, one per kind
   walk over its parameters per step, no copy.
 - `Generators`: the state of every `torch.Generator` held as a module attribute.
 - `Gradients`: host copies of the gradients present at entry, the model's and, found by walking the
-  first micro-batch's autograd graph, those of leaves outside the model; after a failure the
-  failed backward's gradients are dropped and the entry ones put back.
+  first micro-batch's autograd graph at every attempt, those of leaves outside the model; after a
+  failure the failed backward's gradients are dropped and the entry ones put back.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _generators(model) -> list[torch.Generator]:
     found, seen = [], set()
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Generator) and id(value) not in seen:
+            if type(value) is torch.Generator and id(value) not in seen:  # isinstance: ~1 us a value
                 seen.add(id(value))
                 found.append(value)
     return found
@@ -166,47 +166,51 @@ class Gradients:
 
     def __init__(self, model, device):
         self.model, self.device = model, device
-        self.saved: dict[int, tuple] = {}  # id(tensor) -> (tensor, host copy of its entry grad or None)
+        self.kept: dict[int, tuple] = {}     # id(tensor) -> (tensor, host copy of its entry grad)
+        self.outside: dict[int, tuple] = {}  # leaves outside the model: id -> (tensor, copy or None)
 
     def capture(self) -> None:
-        self.saved = {}
+        self.kept, self.outside = {}, {}
         for p in self.model.parameters():
-            self._keep(p)
-
-    def _keep(self, tensor: torch.Tensor) -> None:
-        if id(tensor) in self.saved:
-            return
-        grad = tensor.grad
-        if grad is None:
-            self.saved[id(tensor)] = (tensor, None)
-            return
-        with torch.no_grad(), self.device.host():
-            self.saved[id(tensor)] = (tensor, _host(grad))
+            if p.grad is not None:
+                with torch.no_grad(), self.device.host():
+                    self.kept[id(p)] = (p, _host(p.grad))
 
     def reached(self, loss: torch.Tensor) -> None:
         """Before a backward from `loss`: keep the entry gradients of the leaves outside the model it
         reaches (called with the first micro-batch's loss of every attempt)."""
+        params = {id(p) for p in self.model.parameters()}
         for leaf in leaves(loss):
-            self._keep(leaf)
+            if id(leaf) in params or id(leaf) in self.outside:
+                continue
+            with torch.no_grad(), self.device.host():
+                self.outside[id(leaf)] = (leaf, None if leaf.grad is None else _host(leaf.grad))
 
     def drop(self) -> None:
-        """After a failure: the failed backward's gradients go (before memory is checked)."""
-        for tensor, _ in self.saved.values():
+        """After a failure: the failed backward's gradients outside the model go (before memory is
+        checked; the model's are dropped by the release)."""
+        for tensor, _ in self.outside.values():
             tensor.grad = None
 
     def restore(self) -> None:
         """Before a replay: the entry gradients come back, on the device."""
         with torch.no_grad():
-            for tensor, host in self.saved.values():
-                if host is None:
-                    tensor.grad = None
-                elif hasattr(tensor, "to_local"):  # a sharded parameter: its shard comes back
-                    from torch.distributed.tensor import DTensor
-                    tensor.grad = DTensor.from_local(host.to(_local(tensor).device, copy=True),
-                                                     tensor.device_mesh, tensor.placements,
-                                                     shape=tensor.shape, stride=tensor.stride(), run_check=False)
-                else:
-                    tensor.grad = host.to(tensor.device, copy=True)
+            for p in self.model.parameters():
+                if id(p) not in self.kept:
+                    p.grad = None
+            for tensor, host in list(self.kept.values()) + list(self.outside.values()):
+                tensor.grad = None if host is None else _on_device(host, tensor)
 
     def release(self) -> None:
-        self.saved = {}
+        self.kept, self.outside = {}, {}
+
+
+def _on_device(host: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`host` (a copy of a local shard) as a gradient of `tensor`: on its device, a DTensor again
+    when `tensor` is one."""
+    value = host.to(_local(tensor).device, copy=True)  # a copy: the host one serves the next replay
+    if hasattr(tensor, "to_local"):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(value, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                  stride=tensor.stride(), run_check=False)
+    return value

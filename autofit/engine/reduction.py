@@ -96,7 +96,7 @@ def state_kept(model):
         saved = [(t, t.detach().to("cpu", copy=True)) for t in model.buffers()]
         saved += [(p, p.detach().to("cpu", copy=True)) for p in model.parameters() if not p.requires_grad]
     generators = [(g, g.get_state()) for m in model.modules() for g in vars(m).values()
-                  if isinstance(g, torch.Generator)]
+                  if type(g) is torch.Generator]
     try:
         yield
     finally:

@@ -193,6 +193,8 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
             fits(frugal)
     except _OutOfEstimates:
         pass
+    finally:
+        measure = None  # it calls itself: its closure would hold the estimator (and batch) in a cycle
     return _sorted(measured, plans)
 
 
