@@ -149,9 +149,10 @@ def wide_cnn(seed=0):
 
 def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
     """Estimated peaks (fp32, 16 rows, the capacity check's estimator): whole 593.5 KiB, whole with
-    checkpointing 447 KiB (the recompute keeps the running statistics), against a budget of 546.9 KiB. The fastest fitting plan splits (micro 8 x
-    2, before: the start, then a probe to 12 x 2); the ladder would reach whole-batch checkpointing
-    first, so the run starts there and never splits."""
+    checkpointing 447 KiB (its recompute keeps the running statistics), against a budget of 546.9
+    KiB. The fastest fitting plan splits (micro 8 x 2, before: the start, then a probe to 12 x 2);
+    the ladder would reach whole-batch checkpointing first, so the run starts there and never
+    splits."""
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 3, (16,), generator=g)}
                for _ in range(2)]

@@ -71,6 +71,18 @@ def test_bf16_without_a_kernel_is_withdrawn_and_the_run_goes_on():
         opt.zero_grad(set_to_none=True)
     for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
         assert torch.equal(a, b)
+    assert ("it raised RuntimeError: could not create a primitive descriptor for the LSTM forward propagation "
+            "primitive, so that move was withdrawn for the rest of the run.") in autofit.explain(result)
+
+
+def test_the_stepper_withdraws_the_move_too():
+    model, data = Net(), batches()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="auto", cache=False) as step:
+            plans = [step(batch).plan for batch in data]
+        outcomes = [a.outcome for a in step.attempts]
+    assert outcomes[:3] == ["oom", "withdrawn", "ok"] and {p.precision for p in plans} == {"fp32"}
 
 
 def test_an_error_the_plans_share_is_the_users_and_propagates_unchanged():

@@ -53,7 +53,7 @@ class Attempt:
     peak_bytes: int
     step: int = 0           # the global step (0-based) the attempt belonged to
     error: str = ""         # the OOM message, for outcome "oom"
-    where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
+    where: str = ""         # ladder.PHASES: "copy-in", "forward", "backward", "optimizer.state", "optimizer.step"
     memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
                                                 # optimizer step's own temporaries, for its phases)
     unavailable: dict = field(default_factory=dict)  # {plan field: why turning it on cannot run

@@ -284,8 +284,9 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None,
     found = _ask_reduction(model, batch, loss_fn, device) if probe and ask else None
     if found is not None and found.kind is not None:
         weighting = _reduced(found.kind, whose)
+        said = weighting.why if found.kind in (ROWS, SUM) else f"a mean over {weighting.why}"
         log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
-                 whose, weighting.why, found.measured)
+                 whose, said, found.measured)
         return weighting
     if found is not None and not found.ambiguous:
         log.warning("%s matches no reduction autofit knows (rows mean, label-token mean, sum): %s; "
@@ -314,7 +315,7 @@ def _reduced(kind: str, whose: str) -> LossWeighting:
         return LossWeighting(why="a sum over its rows: micro-batch losses add, each weighs 1", summed=True)
     if kind == ROWS:
         return LossWeighting(why="a mean over rows")
-    return LossWeighting(label_tokens(kind == SHIFTED), False, f"a mean over label tokens (not -100, {kind})")
+    return LossWeighting(label_tokens(kind == SHIFTED), False, f"label tokens (not -100, {kind})")
 
 
 class _Forward:
