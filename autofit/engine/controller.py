@@ -73,7 +73,8 @@ class Controller:
         # LazyLinear) and optimizer state belong to the job, not to the failed attempt: `grows`.
         self.attempter = Attempter(self.device, lambda: (self.model, self.runner.optimizer), grows=True,
                                    free=self._forget_attempt)
-        runner.before_backward = self.start.reached  # leaves outside the model keep their gradients
+        if not getattr(runner, "distributed", False):  # (a sharded model's own leaves are FSDP's business)
+            runner.before_backward = self.start.reached  # leaves outside the model keep their gradients
 
     def _forget_attempt(self) -> None:
         self.runner.abandon()
@@ -165,8 +166,8 @@ class Controller:
         raised already (then it is the user's code's) or it came from the optimizer step (whose
         partial update only an out-of-memory rollback undoes). None: every other error propagates."""
         before = self._oom_before
-        if before is None or plan == before[0] or plan in self._tried:
-            return None
+        if before is None or plan == before[0] or plan in self._tried or getattr(self.runner, "distributed", False):
+            return None  # (under torch.distributed an error is announced to every rank: it propagates)
 
         def take(error) -> bool:
             text = f"{type(error).__name__}: {summarize(error)}"

@@ -59,6 +59,7 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
+    distributed = False  # one process: a move's error may be withdrawn, outside leaves are walked
     skip_empty = False  # skip a micro-batch whose share is 0 (no label token: its loss is 0/0)
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
