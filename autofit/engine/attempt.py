@@ -23,6 +23,7 @@ import torch
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
+from autofit.engine.withdrawal import error_text
 from autofit.errors import MemoryNotReleased
 from autofit.gpu import fragmentation
 from autofit.gpu.device import describe_tensors
@@ -132,7 +133,7 @@ class Attempter:
             if not oom and not (also is not None and also(error)):
                 raise
             # Read while the failed blocks are still held: afterwards the holes are gone.
-            failure = (summarize(error) if oom else f"{type(error).__name__}: {summarize(error)}",
+            failure = (summarize(error) if oom else error_text(error),
                        None if inspect is None else inspect(error),
                        fragmentation.measure(self.device, error) if oom else None, oom)
         peak_bytes = 0 if peak is None else peak()

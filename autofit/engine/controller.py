@@ -18,10 +18,10 @@ from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
+from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
 from autofit.gpu.memory import by_kind, storage_bytes
-from autofit.gpu.oom import summarize
 from autofit.plans.applies import unavailable_changes
 from autofit.plans.ladder import SizeLog
 from autofit.plans.plan import Plan
@@ -61,11 +61,9 @@ class Controller:
         self._said: set = set()           # reasons for skipping a move, each said once
         self.next_plan: Plan | None = None
         self._next_reason = ""
-        # Moves withdrawn because their plan raised an error the plan before it did not (a kernel
-        # without bf16): {(plan field, value): the error}; plans with that value are skipped.
-        self.withdrawn: dict[tuple, str] = {}
+        self.withdrawals = Withdrawals()  # moves whose plan raised what the plan before did not
         self._tried: set = set()          # plans attempted in this run (a move's first attempt)
-        self._oom_before = None           # (plan, phase) of this batch's last out-of-memory attempt
+        self._oom_before = None           # (plan, phase, error) of this batch's last out-of-memory attempt
         # attempts of one global batch: a safety cap (engine.attempt.MAX_ATTEMPTS_PER_BATCH), no verdict
         self.max_attempts = max_attempts if max_attempts is not None else attempts_.MAX_ATTEMPTS_PER_BATCH
         self.start = StartState(self.model, runner.optimizer, self.device)
@@ -168,12 +166,7 @@ class Controller:
         before = self._oom_before
         if before is None or plan == before[0] or plan in self._tried or getattr(self.runner, "distributed", False):
             return None  # (under torch.distributed an error is announced to every rank: it propagates)
-
-        def take(error) -> bool:
-            text = f"{type(error).__name__}: {summarize(error)}"
-            return text not in self.withdrawn.values() and \
-                not str(getattr(self.runner, "phase", "")).startswith("optimizer")
-        return take
+        return self.withdrawals.takes(lambda: str(getattr(self.runner, "phase", "")))
 
     def _withdraw(self, outcome, step: int, global_batch: int) -> bool:
         """The move from the plan before (which ran out of memory) to this one raised another error:
@@ -182,14 +175,7 @@ class Controller:
         before, where, oom_text = self._oom_before
         where_now = outcome.found[0] if outcome.found else ""
         self._record(Attempt(plan, "withdrawn", reason, outcome.peak, step, text, where_now))
-        changed = [(f, getattr(plan, f)) for f in Plan.__dataclass_fields__
-                   if getattr(plan, f) != getattr(before, f) and f not in ("micro_batch_size", "accumulation_steps")]
-        if not changed:
-            changed = [("micro_batch_size", plan.micro_batch_size)]
-        for key in changed:
-            self.withdrawn[key] = text
-        log.warning("%s raised %s, which %s did not; that move is withdrawn for the rest of the run and the "
-                    "ladder goes on without it", plan.describe(), text, before.describe())
+        self.withdrawals.withdraw(plan, before, text)
         self.plan = before
         self._step_down(before, global_batch, oom_text, where)
         return self.next_plan is not None
@@ -198,12 +184,7 @@ class Controller:
         """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
         rule = getattr(self.runner, "not_applicable", None)
         reason = rule(plan) if rule is not None else None
-        if reason:
-            return reason
-        for (field, value), error in self.withdrawn.items():
-            if getattr(plan, field) == value:
-                return f"{field}={value!r} was withdrawn: it raised {error}"
-        return None
+        return reason or self.withdrawals.reason(plan)
 
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except

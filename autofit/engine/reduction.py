@@ -14,6 +14,7 @@ RNG forked), and whatever the loss's forward (and the hooks a `loss_fn` reaches 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch
+
+log = logging.getLogger("autofit")
 
 ROWS, SUM, SHIFTED, UNSHIFTED = "rows", "sum", "shifted", "unshifted"
 TOLERANCE = 1e-4  # relative: one row's loss against two rows' in fp32 (another summation order)
@@ -105,3 +108,47 @@ def state_kept(model):
                 t.copy_(copy)
         for g, state in generators:
             g.set_state(state)
+
+
+class _Forward:
+    """The model as a probe hands it to a loss_fn: calling it runs `forward` (hooks the user put on
+    the model see training forwards only); every attribute is the model's."""
+
+    def __init__(self, module):
+        self.__dict__["_module"] = module
+
+    def __call__(self, *args, **kwargs):
+        return self._module.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def ask_reduction(model, batch, loss_fn, device, probing):
+    """The probe of the loss (the loss_fn's or the model's own), run inside `probing(model, device)`
+    (token_loss's: eval mode, no_grad, host memory, RNG forked), or None when the batch has fewer
+    than two rows or the probe failed (said, never fatal)."""
+    try:
+        with probing(model, device) as inner, state_kept(inner):  # copies in host memory
+            def loss_of(part):
+                part = device.to_device(part)
+                if loss_fn is not None:
+                    loss = loss_fn(_Forward(inner), part)
+                else:
+                    out = inner.forward(**part) if isinstance(part, Mapping) else \
+                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
+                    loss = out if isinstance(out, torch.Tensor) else output_loss(out)
+                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
+            return probe_reduction(loss_of, batch)
+    except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
+        log.info("cannot ask how the loss reduces over its batch (%s: %s); micro-batches are weighted as "
+                 "before", type(error).__name__, error)
+        return None
+
+
+def output_loss(out):
+    """The scalar loss a model's output carries (`.loss` or ["loss"]), or None."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None

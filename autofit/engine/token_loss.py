@@ -34,7 +34,8 @@ import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
-from autofit.engine.reduction import ROWS, SHIFTED, SUM, probe_reduction, state_kept
+from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction
+from autofit.engine.reduction import output_loss as _loss
 
 log = logging.getLogger("autofit")
 
@@ -250,13 +251,6 @@ class _ModelsDevice:
         return batch if self.param is None else {k: v.to(self.param.device) for k, v in batch.items()}
 
 
-def _loss(out):
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-
-
 def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None, ask: bool = True) -> LossWeighting:
     """The weighting of a run's micro-batches, decided once from its first batch (and said once).
     A loss that takes `num_items_in_batch` is told the global count; any other is asked how it
@@ -281,7 +275,7 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None,
         return LossWeighting(label_tokens(counting == "shifted"), True,
                              f"{name} divides its loss by num_items_in_batch ({counting} labels)")
     whose = "loss_fn" if loss_fn is not None else f"{name}'s loss"
-    found = _ask_reduction(model, batch, loss_fn, device) if probe and ask else None
+    found = ask_reduction(model, batch, loss_fn, device, probing=_probing) if probe and ask else None
     if found is not None and found.kind is not None:
         weighting = _reduced(found.kind, whose)
         said = weighting.why if found.kind in (ROWS, SUM) else f"a mean over {weighting.why}"
@@ -316,38 +310,3 @@ def _reduced(kind: str, whose: str) -> LossWeighting:
     if kind == ROWS:
         return LossWeighting(why="a mean over rows")
     return LossWeighting(label_tokens(kind == SHIFTED), False, f"label tokens (not -100, {kind})")
-
-
-class _Forward:
-    """The model as a probe hands it to a loss_fn: calling it runs `forward` (hooks the user put on
-    the model see training forwards only); every attribute is the model's."""
-
-    def __init__(self, module):
-        self.__dict__["_module"] = module
-
-    def __call__(self, *args, **kwargs):
-        return self._module.forward(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-def _ask_reduction(model, batch, loss_fn, device):
-    """engine/reduction's probe of the loss (the loss_fn's or the model's own), or None when the
-    batch has fewer than two rows or the probe failed (said, never fatal)."""
-    try:
-        with _probing(model, device) as inner, state_kept(inner):  # copies in host memory
-            def loss_of(part):
-                part = device.to_device(part)
-                if loss_fn is not None:
-                    loss = loss_fn(_Forward(inner), part)
-                else:
-                    out = inner.forward(**part) if isinstance(part, Mapping) else \
-                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
-                    loss = out if isinstance(out, torch.Tensor) else _loss(out)
-                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
-            return probe_reduction(loss_of, batch)
-    except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
-        log.info("cannot ask how the loss reduces over its batch (%s: %s); micro-batches are weighted as "
-                 "before", type(error).__name__, error)
-        return None
