@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch
+from autofit.gpu.device import _map_tensors
 
 log = logging.getLogger("autofit")
 
@@ -44,7 +45,7 @@ def probe_rows(batch) -> list | None:
     when the batch has per-token integer labels; None when the batch has fewer than two rows."""
     if batch_size(batch) < 2:
         return None
-    both = slice_batch(batch, 0, 2)
+    both = _map_tensors(slice_batch(batch, 0, 2), lambda t: t.clone())  # a loss_fn may write to its batch
     labels = labels_of(both)
     if labels is not None and labels.dim() >= 2 and not labels.is_floating_point() and labels.shape[-1] >= 3:
         labels = torch.zeros_like(labels)
