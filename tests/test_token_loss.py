@@ -266,3 +266,17 @@ def test_a_micro_batch_without_label_tokens_runs_with_a_finite_loss_and_adds_not
     opt.step()
     assert loss == pytest.approx(out.loss.item(), abs=1e-6)
     assert max_diff(model, plain) <= 1e-6
+
+
+def test_the_reduction_probe_tells_every_reduction_apart():
+    """classify on the probe's rows (T = 6 tokens: row 0 counts 6 unshifted / 5 shifted, row 1 two /
+    one): each reduction's prediction of both rows' loss matches that reduction only."""
+    from autofit.engine.reduction import classify, probe_rows
+    rows = probe_rows({"input_ids": torch.zeros(3, 6, dtype=torch.long), "labels": torch.ones(3, 6, dtype=torch.long)})
+    assert rows[2]["labels"].tolist() == [[0] * 6, [0, -100, -100, -100, -100, 0]]
+    a, b = 2.0, 5.0
+    cases = {"rows": (a + b) / 2, "sum": a + b, "unshifted": (6 * a + 2 * b) / 8, "shifted": (5 * a + 1 * b) / 6}
+    assert {kind: classify(a, b, ab, rows).kind for kind, ab in cases.items()} == {k: k for k in cases}
+    alike = classify(3.0, 3.0, 3.0, rows)  # equal rows: every mean matches, none is told apart
+    assert (alike.kind, alike.ambiguous) == (None, True)
+    assert classify(a, b, 0.5, rows).kind is None and not classify(a, b, 0.5, rows).ambiguous
