@@ -18,8 +18,11 @@ costs per op, before the counter and the allocator model do anything); and, for 
 step decides whether it needs a host snapshot).
 
 Table 3: what making every attempt start from the same state costs per step (autofit.engine.replay's
-StartState: capture of the RNG, the buffers, the param_groups and the batch, then the first
-attempt's begin and the release), timed alone on the same model, against the plain loop's step.
+StartState: capture of the RNG, the model's generators, the buffers, the untrained parameters a step
+writes, the gradients present at entry, the param_groups and the batch, then the first attempt's
+begin and the release), timed alone on the same model in a steady run, against the plain loop's
+step; again with the embeddings frozen (parameters no step writes: walked, not copied); and the
+walk over a loss's autograd graph that finds the leaves its backward reaches (once per attempt).
 `--replay-only` prints this table alone.
 
 Table 4: the cost per op, which step timings on a busy machine blur: microseconds of process time
@@ -140,15 +143,23 @@ def main(argv=None) -> int:
         return measure_and_print(args)
 
 
-def replay_cost(batches, repeats: int):
-    """(median, best) seconds of one step's StartState work, and the plain step's median."""
+def replay_cost(batches, repeats: int, freeze: bool = False):
+    """(median, best) seconds of one step's StartState work in a steady run (after the two steps
+    that learn which untrained parameters a step writes), and the plain step's median. `freeze`:
+    the embeddings frozen and left out of the optimizer (parameters no step writes)."""
     from autofit.gpu.device import CpuDevice
     from autofit.engine.replay import StartState
     model = build()
     model.train()
-    opt = adamw(model.parameters())
+    if freeze:
+        model.bert.embeddings.requires_grad_(False)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
     start = StartState(model, opt, CpuDevice())
     plain_step(model, opt, batches[0])  # the optimizer state exists, as in a steady run
+    for b in batches[:2]:  # the steps that learn what a step writes
+        start.capture(b)
+        start.release()
+        plain_step(model, opt, b)
     costs, steps = [], []
     for _ in range(repeats):
         for b in batches:
@@ -160,15 +171,41 @@ def replay_cost(batches, repeats: int):
             plain_step(model, opt, b)  # the step writes the buffers a next capture may copy
             costs.append(t1 - t0)
             steps.append(time.perf_counter() - t1)
-    return median(costs), min(costs), median(steps)
+    return median(costs), min(costs), median(steps), start.untrained.copies
+
+
+def graph_walk_cost(batches, repeats: int):
+    """(median, best) seconds of finding the leaves a loss's backward reaches (model_state.leaves:
+    what the runner does once per attempt, on its first micro-batch)."""
+    from autofit.engine.model_state import leaves
+    model = build()
+    model.train()
+    costs = []
+    for _ in range(repeats):
+        for b in batches:
+            loss = model(**b).loss
+            t0 = time.perf_counter()
+            leaves(loss)
+            costs.append(time.perf_counter() - t0)
+            del loss
+    return median(costs), min(costs)
 
 
 def print_replay_cost(batches, repeats: int) -> None:
-    cost, best, step = replay_cost(batches, repeats)
-    print("Table 3. per-step cost of starting every attempt from the same state (replay.StartState)")
+    cost, best, step, _ = replay_cost(batches, repeats)
+    frozen, frozen_best, frozen_step, copies = replay_cost(batches, repeats, freeze=True)
+    walk, walk_best = graph_walk_cost(batches, repeats)
+    print("Table 3. per-step cost of starting every attempt from the same state (replay.StartState: RNG,")
+    print("generators, buffers, untrained parameters a step writes, entry gradients, param_groups, batch)")
     print(table(["work", "median us", "best us", "share of a plain step"],
                 [["capture + begin + release", cost * 1e6, best * 1e6, f"{cost / step:.2%}"],
+                 ["the same, embeddings frozen (untrained)", frozen * 1e6, frozen_best * 1e6,
+                  f"{frozen / frozen_step:.2%}"],
+                 ["leaves a backward reaches (once per attempt)", walk * 1e6, walk_best * 1e6,
+                  f"{walk / step:.2%}"],
                  ["plain loop step (for scale)", step * 1e6, "", "100%"]]))
+    print(f"untrained parameters copied with frozen embeddings: {copies} (all of them at the first two "
+          f"steps, none after: no step writes them)")
 
 
 def per_op_cost(rounds: int = 7, n: int = 3000) -> list[list]:

@@ -149,9 +149,10 @@ def wide_cnn(seed=0):
 
 def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
     """Estimated peaks (fp32, 16 rows, the capacity check's estimator): whole 593.5 KiB, whole with
-    checkpointing 448 KiB, against a budget of 546.9 KiB. The fastest fitting plan splits (micro 8 x
-    2, before: the start, then a probe to 12 x 2); the ladder would reach whole-batch checkpointing
-    first, so the run starts there and never splits."""
+    checkpointing 447 KiB (its recompute keeps the running statistics), against a budget of 546.9
+    KiB. The fastest fitting plan splits (micro 8 x 2, before: the start, then a probe to 12 x 2);
+    the ladder would reach whole-batch checkpointing first, so the run starts there and never
+    splits."""
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 3, (16,), generator=g)}
                for _ in range(2)]
@@ -161,7 +162,7 @@ def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
                          progress=False, cache=False)
     assert attempts(result) == [(0, 16, True, False, "ok"), (1, 16, True, False, "ok")]
     assert result.attempts[0].reason == (
-        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 448.00 KiB of "
+        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 447.00 KiB of "
         "546.88 KiB); batch-coupled layers keep the batch whole first")
     assert_same_state(model, plain_loop(wide_cnn(), batches, [16, 16]))
     coupling = Coupling(wide_cnn())
@@ -247,3 +248,74 @@ def test_phase_first_moves_stay_and_keep_the_batch_whole():
         SizeLog(), "fp32", True))
     assert walk(forbidden, plan) == [(16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", True, True)]
     assert [m(plan).micro_batch_size for m in offers(forbidden, "optimizer.step")[:2]] == [16, 16]
+
+
+def flat_cnn(seed=0):
+    """One Sequential of single layers: each BatchNorm is itself a checkpointed block."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+@pytest.mark.parametrize("make", [cnn, flat_cnn], ids=["blocks", "layers"])
+def test_checkpointing_moves_running_statistics_once_at_every_granularity(make):
+    """Checkpointing on and the batch split in two (more than 8 rows run out of memory): the
+    running statistics (num_batches_tracked too) are the plain loop's with the same splits."""
+    def ladder(plan):
+        if plan.checkpointing:
+            return None
+        return plan.replace(checkpointing=True, micro_batch_size=plan.micro_batch_size // 2)
+    model = make()
+    hook = fits_rows(model, 8)
+    torch.manual_seed(1234)
+    result = autofit.run(model, images(), loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False,
+                         cache=False, ladder=ladder)
+    hook.remove()
+    splits = [h["plan"].micro_batch_size for h in result.history]
+    assert [a.plan.checkpointing for a in result.attempts if a.outcome == "ok"] == [True] * 3
+    assert splits == [8, 8, 8]  # the probes above 8 rows ran out of memory
+    reference = plain_loop(make(), images(), splits)
+    assert_same_state(model, reference)
+    tracked = [int(m.num_batches_tracked) for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert tracked == [6, 6]  # three steps of two micro-batches
+
+
+def swiftformer(seed=0):
+    """A Hugging Face model with BatchNorm in the layers its own checkpointing switch recomputes."""
+    import transformers
+    config = transformers.SwiftFormerConfig(depths=[1, 1, 1, 1], embed_dims=[8, 8, 16, 16], num_labels=3,
+                                            image_size=32)
+    torch.manual_seed(seed)
+    return transformers.SwiftFormerForImageClassification(config)
+
+
+def test_the_models_own_checkpointing_switch_moves_running_statistics_once():
+    g = torch.Generator().manual_seed(1)
+    batches = [{"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (4,), generator=g)}
+               for _ in range(2)]
+
+    def ladder(plan):
+        return None if plan.checkpointing else plan.replace(checkpointing=True, micro_batch_size=2)
+    model = swiftformer()
+
+    def two_rows(module, args, kwargs):
+        if kwargs["pixel_values"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    hook = model.register_forward_pre_hook(two_rows, with_kwargs=True)
+    result = autofit.run(model, batches, optimizer=sgd, precision="fp32", progress=False, cache=False,
+                         ladder=ladder)
+    hook.remove()
+    assert [h["plan"].micro_batch_size for h in result.history] == [2, 2]
+    assert result.plan.checkpointing and not model.is_gradient_checkpointing  # switched back off
+    reference = swiftformer()
+    opt = sgd(reference.parameters())
+    for batch in batches:
+        for i in (0, 2):
+            (reference(**{k: v[i:i + 2] for k, v in batch.items()}).loss * 0.5).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tracked = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
+    assert tracked == {4}
+    sa, sb = model.state_dict(), reference.state_dict()
+    assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []

@@ -524,3 +524,43 @@ def test_offers_that_do_not_apply_name_their_reason():
         "bf16 is not supported on cpu",
         "activation checkpointing does not apply to _TwoLayers: it has no repeated blocks "
         "(ModuleList/Sequential) and no Hugging Face switch"]
+
+
+def _rows_over(limit):
+    def loss_fn(model, batch):
+        if torch.is_grad_enabled() and len(batch[0]) > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 MiB ({len(batch[0])} rows)")
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+    return loss_fn
+
+
+def _one_less(plan):
+    return plan.replace(micro_batch_size=plan.micro_batch_size - 1) if plan.micro_batch_size > 1 else None
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(100, 2, generator=g), torch.randn(100, 1, generator=g))]
+
+
+@pytest.mark.slow
+def test_the_ladders_end_is_the_end():
+    """99 moves of one row each: 70 failures before 30 rows fit, all walked (no hidden cap)."""
+    import autofit
+    result = autofit.run(torch.nn.Linear(2, 1), _data(), loss_fn=_rows_over(30), precision="fp32", progress=False,
+                         cache=False, capacity_check=False, ladder=_one_less)
+    assert [a.outcome for a in result.attempts] == ["oom"] * 70 + ["ok"]
+    assert result.plan.micro_batch_size == 30
+
+
+def test_the_safety_cap_says_it_is_one(monkeypatch):
+    """With the safety cap lowered to 5 the error says it was the cap, with the count and the plan left."""
+    import autofit
+    import autofit.engine.attempt as attempt_module
+    data = _data()
+    monkeypatch.setattr(attempt_module, "MAX_ATTEMPTS_PER_BATCH", 5)
+    with pytest.raises(autofit.DoesNotFit, match=re.escape(
+            "stopped after 5 attempts of global batch 100 at step 0 on cpu: autofit's safety cap of 5 "
+            "attempts per global batch (the ladder still had micro 95 x 2, fp32 to try)")):
+        autofit.run(torch.nn.Linear(2, 1), data, loss_fn=_rows_over(30), precision="fp32", progress=False,
+                    cache=False, capacity_check=False, ladder=_one_less)

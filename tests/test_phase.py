@@ -173,3 +173,26 @@ def test_the_attempt_records_its_phase_and_the_ladder_answers_it(phase, first_mo
     assert failed.where == phase
     after = result.attempts[result.attempts.index(failed) + 1]
     assert (after.step, after.outcome, after.plan.describe()) == (failed.step, "ok", first_move)
+
+
+def test_an_oom_copying_the_first_micro_batch_of_a_later_step_is_read_as_copy_in():
+    """The first step ends inside the optimizer's state creation; step 1's copy of its first
+    micro-batch to the device then fails: the attempt says "copy-in" (not the last step's phase),
+    and the ladder answers it as an activation failure (checkpointing first), not with offload."""
+    model, data = _mlp(), _data()  # on the host: each micro-batch is copied to the device
+    optimizer = torch.optim.AdamW(model.parameters())
+    with autofit.simulate_gpu() as gpu:
+        handle = optimizer.register_step_post_hook(
+            lambda *_: gpu.fail_at(gpu.allocation_count) if not handle.fired else None)
+        handle.fired = False
+
+        def once(*_):
+            handle.fired = True
+        later = optimizer.register_step_post_hook(once)
+        result = autofit.run(model, data, loss_fn=_loss, optimizer=optimizer, precision="fp32", cache=False,
+                             progress=False)
+        handle.remove()
+        later.remove()
+    assert [(a.step, a.outcome, a.where) for a in result.attempts][:3] == [
+        (0, "ok", ""), (1, "oom", "copy-in"), (1, "ok", "")]
+    assert result.attempts[2].plan.describe() == "micro 8 x 1, fp32, checkpointing"

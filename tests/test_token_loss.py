@@ -1,6 +1,7 @@
 """Token-level losses are exact however the loss is given (autofit/engine/token_loss.py)."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -75,14 +76,73 @@ def full_loss(batch):
         return gpt2()(**batch).loss.item()
 
 
-def test_a_loss_fn_without_the_keyword_is_weighted_by_rows_and_says_so_once(caplog):
-    batches = lm_batches(2, rows=8)
+def test_a_loss_fn_without_the_keyword_is_asked_and_equals_the_full_batch_loop(caplog):
+    """The most common way to write it: the micro-batch's mean over its shifted label tokens,
+    weighted by its share of the global batch's label tokens, which the probe found."""
+    batches = lm_batches(3, rows=8)
+    model = gpt2()
     with caplog.at_level(logging.INFO, logger="autofit"):
-        run_split(gpt2(), batches, lambda m, b: m(**b).loss)
-    said = [r.getMessage() for r in caplog.records if "weighted by rows" in r.getMessage()]
-    assert said == ["loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; for a "
-                    "mean over label tokens, give loss_fn a num_items_in_batch parameter and divide the summed "
-                    "loss by it (autofit passes the global batch's label-token count)"]
+        result = run_split(model, batches, lambda m, b: m(**b).loss)
+    assert result.history[0]["plan"].micro_batch_size == 3
+    said = [r.getMessage() for r in caplog.records if "asked with two rows" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        "loss_fn is a mean over label tokens (not -100, shifted) (asked with two rows: loss of row 0 ")
+    assert max_diff(model, full_batch_loop(batches)) <= 1e-6  # fp32: another summation order
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x).squeeze(-1)
+
+
+def regression_batches(n=2, rows=8):
+    g = torch.Generator().manual_seed(5)
+    return [{"x": torch.randn(rows, 4, generator=g), "y": torch.randn(rows, generator=g)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_sum_adds_its_micro_losses_and_a_mean_weighs_rows(reduction, caplog):
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b["x"]), b["y"], reduction=reduction)
+    model = Regression()
+    with caplog.at_level(logging.INFO, logger="autofit"):
+        result = run_split(model, regression_batches(), loss_fn)
+    splits = [h["plan"].micro_batch_size for h in result.history]
+    assert splits[0] == 3
+    found = {"sum": "a sum over its rows: micro-batch losses add, each weighs 1", "mean": "a mean over rows"}
+    assert any(r.getMessage().startswith(f"loss_fn is {found[reduction]} (asked") for r in caplog.records)
+    reference = Regression()
+    opt = sgd(reference.parameters())
+    for batch, micro in zip(regression_batches(), splits):
+        for i in range(0, 8, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            weight = 1.0 if reduction == "sum" else len(part["y"]) / 8
+            (loss_fn(reference, part) * weight).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    if reduction == "sum":  # the step's loss is the whole batch's sum
+        with torch.no_grad():
+            whole = loss_fn(Regression(), regression_batches()[0]).item()
+        assert abs(result.history[0]["loss"] - whole) <= 1e-5 * abs(whole)
+
+
+def test_a_loss_matching_no_reduction_is_weighted_by_rows_with_a_warning(caplog):
+    def loss_fn(m, b):  # the square of a mean: neither a mean nor a sum of per-row terms
+        return torch.nn.functional.mse_loss(m(b["x"]), b["y"]) ** 2
+    with caplog.at_level(logging.INFO, logger="autofit"):
+        weighting = loss_weighting(Regression(), regression_batches()[0], loss_fn, CpuDevice())
+    assert (weighting.count, weighting.pass_items, weighting.summed) == (None, False, False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and re.match(
+        r"loss_fn matches no reduction autofit knows \(rows mean, label-token mean, sum\): loss of row 0 "
+        r"[0-9.e-]+, of row 1 [0-9.e-]+, of both [0-9.e-]+; micro-batches are weighted by rows", warned[0])
 
 
 def test_bert_classification_head_is_found_to_ignore_num_items_in_batch(caplog):
@@ -91,9 +151,10 @@ def test_bert_classification_head_is_found_to_ignore_num_items_in_batch(caplog):
     with caplog.at_level(logging.INFO, logger="autofit"):
         weighting = loss_weighting(model, bert_batch(rows=4, seq=8), None, CpuDevice())
     assert (weighting.count, weighting.pass_items) == (None, False)  # ... but its loss drops it: rows
-    assert [r.getMessage() for r in caplog.records] == [
-        "BertForSequenceClassification's loss ignores num_items_in_batch although its forward takes it; "
-        "micro-batches are weighted by rows"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and re.fullmatch(
+        r"BertForSequenceClassification's loss is a mean over rows \(asked with two rows: loss of row 0 "
+        r"[0-9.]+, of row 1 [0-9.]+, of both [0-9.]+\); micro-batches are weighted by it", said[0])
     assert model.training  # the probe gives the model back in training mode
 
 
@@ -205,3 +266,17 @@ def test_a_micro_batch_without_label_tokens_runs_with_a_finite_loss_and_adds_not
     opt.step()
     assert loss == pytest.approx(out.loss.item(), abs=1e-6)
     assert max_diff(model, plain) <= 1e-6
+
+
+def test_the_reduction_probe_tells_every_reduction_apart():
+    """classify on the probe's rows (T = 6 tokens: row 0 counts 6 unshifted / 5 shifted, row 1 two /
+    one): each reduction's prediction of both rows' loss matches that reduction only."""
+    from autofit.engine.reduction import classify, probe_rows
+    rows = probe_rows({"input_ids": torch.zeros(3, 6, dtype=torch.long), "labels": torch.ones(3, 6, dtype=torch.long)})
+    assert rows[2]["labels"].tolist() == [[0] * 6, [0, -100, -100, -100, -100, 0]]
+    a, b = 2.0, 5.0
+    cases = {"rows": (a + b) / 2, "sum": a + b, "unshifted": (6 * a + 2 * b) / 8, "shifted": (5 * a + 1 * b) / 6}
+    assert {kind: classify(a, b, ab, rows).kind for kind, ab in cases.items()} == {k: k for k in cases}
+    alike = classify(3.0, 3.0, 3.0, rows)  # equal rows: every mean matches, none is told apart
+    assert (alike.kind, alike.ambiguous) == (None, True)
+    assert classify(a, b, 0.5, rows).kind is None and not classify(a, b, 0.5, rows).ambiguous

@@ -5,6 +5,7 @@ plan-cache file or in a storage given, bad input. Timings are never asserted: a 
 import copy
 import gc
 import importlib
+import re
 import sqlite3
 import sys
 
@@ -490,3 +491,41 @@ def test_between_plans_the_noise_cannot_tell_apart_the_earlier_in_the_space_wins
     trials = [TuneTrial(3 * r + i, plan, "ok", float(values[plan][r]), round=r)
               for r in range(3) for i, plan in enumerate((default, second, third))]
     assert verdict(trials, default, [default, second, third], 9, "s", "memory", "k").plan == third
+
+
+def _no_bf16_kernel(estimated: bool):
+    """As oneDNN's LSTM on a CPU without its bf16 kernel: a RuntimeError under bf16 autocast, on real
+    tensors only or (`estimated`) on the estimator's fake tensors too."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    def hook(module, args, kwargs):
+        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        if module.training and bf16 and (estimated or not is_fake(kwargs["input_ids"])):
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+    return hook
+
+
+def test_a_plan_whose_move_cannot_run_is_dropped_and_the_others_are_measured(tiny_bert):
+    tiny_bert.register_forward_pre_hook(_no_bf16_kernel(estimated=False), with_kwargs=True)
+    with autofit.simulate_gpu(budget()):
+        result = tune(tiny_bert, batches(), budget=budget(), steps=1, rounds=1, clock=Clock())
+    assert described(result.space) == SPACE
+    assert [(t.plan.describe(), t.outcome) for t in result.trials] == [
+        (p, "error" if "bf16" in p else "ok") for p in SPACE]
+    study = optuna.load_study(study_name=result.study_name, storage=cache_url())
+    dropped = study.trials[1].user_attrs["autofit"]
+    assert dropped["outcome"] == "error" and dropped["error"] == (
+        "RuntimeError: could not create a primitive descriptor for the LSTM forward propagation primitive")
+    assert result.plan.precision == "fp32"
+
+
+def test_the_capacity_check_drops_the_candidates_whose_move_cannot_run(tiny_bert, caplog):
+    tiny_bert.register_forward_pre_hook(_no_bf16_kernel(estimated=True), with_kwargs=True)
+    with autofit.simulate_gpu(budget()):
+        result = tune(tiny_bert, batches(), budget=budget(), steps=1, rounds=1, clock=Clock())
+    assert [p for p in described(result.space) if "bf16" in p] == []
+    assert described(result.space)[0] == "micro 8 x 2, fp32"
+    assert "error" not in {t.outcome for t in result.trials}  # nothing left to drop
+    assert any(re.match(r"estimating micro \d+ x \d+, bf16 raised RuntimeError: could not create a primitive "
+                        r"descriptor .*; plans like it are left out of the capacity check", r.getMessage())
+               for r in caplog.records)

@@ -95,7 +95,8 @@ def _explain_attempt(attempts, i, number: int, budget, raised: bool, given: set)
         lines.append("  memory at the failure: not recorded.")
     if nxt is not None:
         what = "; ".join(changes) if changes else "the same plan"
-        result = "it fitted" if nxt.outcome == "ok" else "it ran out of memory too"
+        result = "it fitted" if nxt.outcome == "ok" else "it ran out of memory too" if nxt.outcome == "oom" \
+            else f"it raised {nxt.error}, so that move was withdrawn for the rest of the run"
         lines.append(f"  autofit then: {nxt.plan.describe()} ({what}) because {nxt.reason}; {result}.")
     elif raised:
         lines.append("  autofit then: the ladder had no step left, so it raised DoesNotFit; the "

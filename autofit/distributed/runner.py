@@ -18,6 +18,7 @@ class DistributedStepRunner(StepRunner):
     """A StepRunner whose global step is agreed between the ranks (see the module's docstring)."""
 
     phase_steers_ladder = False  # ranks fail in different phases; all must step down alike
+    distributed = True  # an error on one rank is every rank's (announced): none is withdrawn
 
     def __init__(self, model, optimizer, device, *, lockstep, **kwargs):
         super().__init__(model, optimizer, device, **kwargs)

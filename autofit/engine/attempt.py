@@ -23,6 +23,7 @@ import torch
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
+from autofit.engine.withdrawal import error_text
 from autofit.errors import MemoryNotReleased
 from autofit.gpu import fragmentation
 from autofit.gpu.device import describe_tensors
@@ -36,18 +37,24 @@ log = logging.getLogger("autofit")
 
 CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
 
+# A safety cap, not a verdict: the walk down a ladder ends where the ladder does (plans already
+# seen are passed over, a move going round in circles ends it), and replays of one plan are given
+# once per global batch; this many attempts of one global batch would mean a ladder or a memory
+# that never settles. Reaching it raises DoesNotFit saying so (README, "The ladder").
+MAX_ATTEMPTS_PER_BATCH = 1000
+
 
 @dataclass(frozen=True)
 class Attempt:
     """One try of one global batch under one plan."""
 
     plan: Plan
-    outcome: str            # "ok" | "oom"
+    outcome: str            # "ok" | "oom" | "withdrawn" (another error: the move that made the plan is withdrawn)
     reason: str             # why this plan was tried
     peak_bytes: int
     step: int = 0           # the global step (0-based) the attempt belonged to
     error: str = ""         # the OOM message, for outcome "oom"
-    where: str = ""         # ladder.PHASES: "forward", "backward", "optimizer.state", "optimizer.step"
+    where: str = ""         # ladder.PHASES: "copy-in", "forward", "backward", "optimizer.state", "optimizer.step"
     memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
                                                 # optimizer step's own temporaries, for its phases)
     unavailable: dict = field(default_factory=dict)  # {plan field: why turning it on cannot run
@@ -57,7 +64,7 @@ class Attempt:
         text = f"step {self.step}: {self.plan.describe()} -> {self.outcome}"
         if self.peak_bytes:
             text += f" (peak {format_size(self.peak_bytes)})"
-        if self.outcome == "oom":
+        if self.outcome in ("oom", "withdrawn"):
             text += f" in {self.where}: {self.error}"
         return text + f" [{self.reason}]"
 
@@ -73,6 +80,7 @@ class Outcome:
     fragmentation: object = None  # gpu.fragmentation.measure at the failure (None: not the cache's)
     peak: int = 0           # the attempt's peak, as the caller's `peak()` reads it
     baseline: int = 0       # bytes allocated on the device before the attempt
+    oom: bool = True        # False: another error, caught because the caller's `also` took it
 
 
 def outside(device, model=None, optimizer=None):
@@ -111,20 +119,23 @@ class Attempter:
         self.grows, self.free, self.catches = grows, free, catches
         self._owned_at = None  # (allocated bytes, owned bytes) when the owner's bytes were last counted
 
-    def __call__(self, work, *, inspect=None, peak=None) -> Outcome:
+    def __call__(self, work, *, inspect=None, peak=None, also=None) -> Outcome:
         """`work()` once; `inspect(error)` reads the failure while it is happening (it must keep
-        no tensor), `peak()` the attempt's peak after it."""
+        no tensor), `peak()` the attempt's peak after it; `also(error) -> bool` takes errors that
+        are not out-of-memory as this attempt's failure too (a move that cannot run), freed alike."""
         baseline = self.device.memory_allocated()
         owned = self._owned_before(baseline) if self.grows and self.device.counts else None
         failure = None
         try:
             value = work()
         except Exception as error:
-            if not self.catches(error):
+            oom = self.catches(error)
+            if not oom and not (also is not None and also(error)):
                 raise
             # Read while the failed blocks are still held: afterwards the holes are gone.
-            failure = (summarize(error), None if inspect is None else inspect(error),
-                       fragmentation.measure(self.device, error))
+            failure = (summarize(error) if oom else error_text(error),
+                       None if inspect is None else inspect(error),
+                       fragmentation.measure(self.device, error) if oom else None, oom)
         peak_bytes = 0 if peak is None else peak()
         if failure is None:
             return Outcome(True, value, peak=peak_bytes, baseline=baseline)
@@ -138,7 +149,7 @@ class Attempter:
         release(self.device, model=model, optimizer=optimizer, settled=settled)
         self.check(baseline, owned)
         return Outcome(False, error=failure[0], found=failure[1], fragmentation=failure[2], peak=peak_bytes,
-                       baseline=baseline)
+                       baseline=baseline, oom=failure[3])
 
     def fragmented(self, outcome: Outcome, key=None, replayed: set | None = None) -> str | None:
         """When the cache's holes caused `outcome`'s failure: empty the cache and return the reason

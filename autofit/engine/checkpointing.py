@@ -3,14 +3,23 @@
 Hugging Face models use their own switch (non-reentrant, so it composes with autocast and frozen
 inputs). Other models get the blocks of their largest ModuleList/Sequential wrapped: each block's
 forward is recomputed in backward by `torch.utils.checkpoint`.
+
+A recompute runs a forward a second time, and a batch-coupled layer's forward writes its running
+statistics. A block's recompute runs inside a context that copies its coupled layers' buffers before
+it and puts back those it moved, so they move once per forward, as in a plain loop, also when a
+BatchNorm layer is itself a block (its recompute calls its forward, not its hooks). Hugging Face's
+switch recomputes a layer through its `__call__`: the coupling guard (plans/coupling) sees those.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from autofit.plans.coupling import coupled_modules
 
 _KWARGS = {"use_reentrant": False}
 
@@ -24,10 +33,12 @@ def _hf_state(model):
 
 def _hf_switch(model, on: bool) -> None:
     if on:
+        # Its layers are recomputed through their __call__: the coupling guard's pre-hooks see it.
+        kwargs = dict(_KWARGS)
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(_KWARGS))
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_KWARGS))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         if hasattr(model, "activation_checkpointing_disable"):
             model.activation_checkpointing_disable()
@@ -50,12 +61,39 @@ def largest_block_list(model: torch.nn.Module):
     return best
 
 
-def _checkpointed(forward):
+@contextlib.contextmanager
+def _statistics_kept(module):
+    """Around a recompute: the buffers of `module`'s batch-coupled layers come back as they were."""
+    buffers = [b for _, m in coupled_modules(module) for b in m.buffers(recurse=False) if b is not None]
+    with torch.no_grad():
+        saved = [(b, b.clone()) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, copy in saved:
+                # Only what the recompute moved: a buffer it did not touch may be saved for the
+                # backward by the first forward, and an in-place write would void that.
+                if not torch.equal(b, copy):
+                    b.copy_(copy)
+
+
+def recompute_context(module):
+    """`torch.utils.checkpoint`'s context_fn: nothing around the forward, `_statistics_kept` around
+    the recompute."""
+    return lambda: (contextlib.nullcontext(), _statistics_kept(module))
+
+
+def _checkpointed(forward, block):
+    kwargs = dict(_KWARGS)
+    if coupled_modules(block):  # only blocks with running statistics pay for the context
+        kwargs["context_fn"] = recompute_context(block)
+
     @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(*args, **kw):
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, **kwargs, **_KWARGS)
+            return forward(*args, **kw)
+        return checkpoint(forward, *args, **kw, **kwargs)
     run.__autofit_checkpoint__ = True
     return run
 
@@ -96,7 +134,7 @@ class Checkpointing:
                 if on:
                     # Remember a forward set on the instance (hooks, user wrappers) to put back.
                     self._own_forward[block] = vars(block).get("forward")
-                    block.forward = _checkpointed(block.forward)
+                    block.forward = _checkpointed(block.forward, block)
                 elif getattr(block.forward, "__autofit_checkpoint__", False):
                     previous = self._own_forward.pop(block, None)
                     if previous is None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 
 from autofit.diagnosis.on_device import on_device_predicate
+from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
+from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
 from autofit.gpu.memory import by_kind, storage_bytes
@@ -35,7 +37,7 @@ EXPIRE_AFTER = 100
 
 class Controller:
     def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
-                 reason: str = "start: the whole global batch at once", max_attempts: int = 64,
+                 reason: str = "start: the whole global batch at once", max_attempts: int | None = None,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
                  quiet: bool = False, expire_after: int | None = None, guide=None):
         self.runner, self.ladder = runner, ladder
@@ -59,12 +61,22 @@ class Controller:
         self._said: set = set()           # reasons for skipping a move, each said once
         self.next_plan: Plan | None = None
         self._next_reason = ""
-        self.max_attempts = max_attempts
+        self.withdrawals = Withdrawals()  # moves whose plan raised what the plan before did not
+        self._tried: set = set()          # plans attempted in this run (a move's first attempt)
+        self._oom_before = None           # (plan, phase, error) of this batch's last out-of-memory attempt
+        # attempts of one global batch: a safety cap (engine.attempt.MAX_ATTEMPTS_PER_BATCH), no verdict
+        self.max_attempts = max_attempts if max_attempts is not None else attempts_.MAX_ATTEMPTS_PER_BATCH
         self.start = StartState(self.model, runner.optimizer, self.device)
         # Buffers and parameters the model makes during an attempt (a lazily registered buffer, a
         # LazyLinear) and optimizer state belong to the job, not to the failed attempt: `grows`.
         self.attempter = Attempter(self.device, lambda: (self.model, self.runner.optimizer), grows=True,
-                                   free=lambda: self.runner.abandon())
+                                   free=self._forget_attempt)
+        if not getattr(runner, "distributed", False):  # (a sharded model's own leaves are FSDP's business)
+            runner.before_backward = self.start.reached  # leaves outside the model keep their gradients
+
+    def _forget_attempt(self) -> None:
+        self.runner.abandon()
+        self.start.failed()
 
     # -- public --------------------------------------------------------------------------------
     def train(self, batch, step: int) -> float:
@@ -82,7 +94,9 @@ class Controller:
                 self._fallback, self._fallback_reason = self.plan, self.reason
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
                                                   f" fits, searching upward)")
+        self._oom_before = None
         self.start.capture(batch)  # every attempt of this batch starts from this state
+        self.next_plan = None
         try:
             outcome = until_fits(lambda: self._attempt(step, global_batch),
                                  lambda failed: self._after_oom(failed, step, global_batch),
@@ -92,6 +106,14 @@ class Controller:
         if not outcome.ok:
             failed = [a for a in self.attempts if a.step == step]
             last = failed[-1] if failed else None
+            if self.next_plan is not None:  # the ladder had a plan left: the cap ended the walk
+                raise DoesNotFit(
+                    f"stopped after {len(failed)} attempts of global batch {global_batch} at step {step} on "
+                    f"{self.device.describe()}: autofit's safety cap of {self.max_attempts} attempts per "
+                    f"global batch (the ladder still had {self.next_plan.describe()} to try); the model is "
+                    f"as it was before this batch. A ladder this long or a memory this unsteady needs "
+                    f"looking at: autofit.explain(error) lists the attempts.",
+                    attempts=self.attempts, breakdown=last.memory if last else None, budget=self.device.budget)
             raise DoesNotFit(
                 f"no plan of the ladder fits global batch {global_batch} at step {step} on "
                 f"{self.device.describe()}; the model is as it was before this batch. Lower the "
@@ -123,7 +145,8 @@ class Controller:
         plan, reason = self.plan, self.reason
         # begin(): a replay starts from the RNG, buffers, param_groups and batch as before
         outcome = self.attempter(lambda: self.runner.run(self.start.begin(), plan), inspect=self._at_failure,
-                                 peak=self.runner.attempt_peak)
+                                 peak=self.runner.attempt_peak, also=self._withdrawable(plan))
+        self._tried.add(plan)
         if outcome.ok:
             self._record(Attempt(plan, "ok", reason, outcome.peak, step))
             self.sizes.record(plan, True, global_batch)
@@ -135,11 +158,38 @@ class Controller:
             self._expire()
         return outcome
 
+    def _withdrawable(self, plan: Plan):
+        """For a move's first attempt, after the plan before it ran out of memory on this batch: an
+        error that is not out-of-memory is the move's (withdrawn), unless it is one a withdrawn move
+        raised already (then it is the user's code's) or it came from the optimizer step (whose
+        partial update only an out-of-memory rollback undoes). None: every other error propagates."""
+        before = self._oom_before
+        if before is None or plan == before[0] or plan in self._tried or getattr(self.runner, "distributed", False):
+            return None  # (under torch.distributed an error is announced to every rank: it propagates)
+        return self.withdrawals.takes(lambda: str(getattr(self.runner, "phase", "")))
+
+    def _withdraw(self, outcome, step: int, global_batch: int) -> bool:
+        """The move from the plan before (which ran out of memory) to this one raised another error:
+        withdraw it for the rest of the run and step down from the plan before without it."""
+        plan, reason, text = self.plan, self.reason, outcome.error
+        before, where, oom_text = self._oom_before
+        where_now = outcome.found[0] if outcome.found else ""
+        self._record(Attempt(plan, "withdrawn", reason, outcome.peak, step, text, where_now))
+        self.withdrawals.withdraw(plan, before, text)
+        self.plan = before
+        self._step_down(before, global_batch, oom_text, where)
+        return self.next_plan is not None
+
+    def _applies(self, plan: Plan):
+        """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
+        rule = getattr(self.runner, "not_applicable", None)
+        reason = rule(plan) if rule is not None else None
+        return reason or self.withdrawals.reason(plan)
+
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
         block, while the failed blocks are held."""
-        where = getattr(self.runner, "phase", "") or (
-            "optimizer.step" if "in optimizer.step" in str(error) else "forward/backward")
+        where = self.runner.phase  # the runner's own record of where the attempt was
         at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
         held = by_kind(self.device, self.model, self.runner.optimizer)
         return where, held, at_failure
@@ -165,9 +215,12 @@ class Controller:
     def _after_oom(self, outcome, step: int, global_batch: int) -> bool:
         """Record the failed attempt (the attempter has freed it) and set up the next; False when
         the ladder has no step left."""
+        if not outcome.oom:
+            return self._withdraw(outcome, step, global_batch)
         plan, reason, text = self.plan, self.reason, outcome.error
         where, memory = self._breakdown(outcome)
-        unavailable = unavailable_changes(plan, getattr(self.runner, "not_applicable", None))
+        self._oom_before = (plan, where, text)
+        unavailable = unavailable_changes(plan, self._applies)
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
@@ -239,7 +292,7 @@ class Controller:
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if getattr(self.runner, "phase_steers_ladder", False) else ""
         taken = next_down(self.ladder, plan, global_batch, phase=phase,
-                          applies=getattr(self.runner, "not_applicable", None),
+                          applies=self._applies,
                           failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
         return taken if taken is not None else (None, "")
 

@@ -9,8 +9,11 @@ loop. `StartState` keeps what a replay needs, in host memory:
 - the model's buffers: host copies; integer and bool buffers (position ids, masks) are copied
   again only when their `_version` moved, floating-point ones (running statistics, which native
   kernels write without bumping `_version`) at every capture;
+- the parameters the optimizer does not train that a step writes, the generators the model holds
+  and the gradients present at entry, on the model and on leaves outside it that the backward
+  reaches (`model_state`);
 - the optimizer's param_groups (every entry but "params"; the state is rolled back by
-  `atomic.Snapshot`, the parameters are only written by a step);
+  `atomic.Snapshot`, the trained parameters are only written by a step);
 - the batch as given: fresh containers for every attempt, and host copies of the tensors that reach
   the loss without being copied (already on the device), restored when an attempt wrote to them.
 """
@@ -23,6 +26,7 @@ import sys
 
 import torch
 
+from autofit.engine.model_state import Generators, Gradients, Untrained
 from autofit.gpu.device import _map_tensors
 
 
@@ -119,12 +123,18 @@ class StartState:
     def __init__(self, model, optimizer, device):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.buffers = _Buffers(model, device)
+        self.untrained = Untrained(model, optimizer, device)
+        self.generators = Generators(model)
+        self.gradients = Gradients(model, device)
         self.attempts = 0
 
     def capture(self, batch) -> None:
         self.attempts = 0
         self.rng = rng_state()
         self.buffers.capture()
+        self.untrained.capture()
+        self.generators.capture()
+        self.gradients.capture()
         with self.device.host():
             self.groups = save_groups(self.optimizer)
         self.given = batch
@@ -138,6 +148,16 @@ class StartState:
     def release(self) -> None:
         """Drop the batch and its copies once its step is over (the buffer copies stay)."""
         self.given, self.versions, self.kept = None, [], {}
+        self.gradients.release()
+
+    def reached(self, loss) -> None:
+        """The first micro-batch's loss of an attempt, before its backward: the leaves it reaches keep
+        their entry gradients (see model_state.Gradients)."""
+        self.gradients.reached(loss)
+
+    def failed(self) -> None:
+        """After a failed attempt, before memory is checked: its gradients go."""
+        self.gradients.drop()
 
     def begin(self):
         """The batch as given, in fresh containers; before a replay, the start state is restored."""
@@ -149,7 +169,10 @@ class StartState:
     def restore(self) -> None:
         set_rng_state(self.rng)
         self.buffers.restore()
+        self.untrained.restore()
+        self.generators.restore()
         restore_groups(self.optimizer, self.groups)
+        self.gradients.restore()
         for i, (t, version) in enumerate(self.versions):
             if t._version == version:
                 continue

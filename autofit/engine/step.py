@@ -59,6 +59,7 @@ class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
+    distributed = False  # one process: a move's error may be withdrawn, outside leaves are walked
     skip_empty = False  # skip a micro-batch whose share is 0 (no label token: its loss is 0/0)
 
     def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
@@ -79,9 +80,13 @@ class StepRunner:
         self.scaler = None
         self._scaler_state = None
         self.peak = 0
-        # Where the current attempt is (ladder.PHASES); read by the controller after an OOM.
+        # Where the current attempt is (ladder.PHASES), set as each part of it starts and reset by
+        # every attempt; read by the controller after an OOM (never parsed from the error's text).
         self.phase = ""
         self._foreach = None  # the groups' own `foreach` while a per-parameter step is on
+        # before_backward(loss): called with the first micro-batch's loss of every attempt (the
+        # controller's start state keeps the entry gradients of the leaves it reaches).
+        self.before_backward = None
 
     # -- plan switches -------------------------------------------------------------------------
     def prepare(self, plan) -> None:
@@ -149,6 +154,7 @@ class StepRunner:
 
     def _accumulate(self, batch, plan) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the weighted loss (on the device)."""
+        self.phase = "copy-in"  # a new attempt: nothing of the last one's phase is left
         self.prepare(plan)
         if self.scaler is not None:
             self._scaler_state = self.scaler.state_dict()
@@ -164,6 +170,7 @@ class StepRunner:
                 if self.skip_empty:
                     continue
                 part = weightless(part)  # run, but with a finite loss: 0 * NaN would be NaN
+            self.phase = "copy-in"
             part = self.device.to_device(part)
             # The forward is inside too: DDP decides in forward whether backward synchronises.
             with self.sync(i, i == len(parts) - 1):
@@ -174,6 +181,8 @@ class StepRunner:
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 self.phase = "backward"
+                if i == 0 and self.before_backward is not None:
+                    self.before_backward(scaled)
                 scaled.backward()
             term = loss.detach().float() * share
             total = term if total is None else total + term

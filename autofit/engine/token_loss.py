@@ -13,8 +13,10 @@ the number of labels it counts (shifted by one for causal LMs), or 1 when it ign
 
 A `loss_fn` that takes a `num_items_in_batch` keyword gets the same global count (the model's
 count when the model honours it, else the labels that are not -100, or the rows when the batch has
-no labels) and weighs 1; any other `loss_fn` is weighted by rows, and a batch with per-token
-labels says so once.
+no labels) and weighs 1. Any other loss (a `loss_fn`, or a model's own that ignores the count) is
+asked how it reduces over its batch (engine/reduction: a mean over rows, over label tokens shifted
+or not, or a sum) and weighted by that; what was found is said once. A loss that matches none is
+weighted by rows, with a warning naming the losses measured.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
+from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction
+from autofit.engine.reduction import output_loss as _loss
 
 log = logging.getLogger("autofit")
 
@@ -111,8 +115,11 @@ class LossWeighting:
     count: Callable | None = None   # batch -> items its loss averages over; None: rows
     pass_items: bool = False        # hand num_items_in_batch=count(global batch) on; each part weighs 1
     why: str = "rows: a per-row mean"
+    summed: bool = False            # the loss is a sum over its batch: micro losses add, each weighs 1
 
     def shares(self, batch, parts) -> list[float]:
+        if self.summed:
+            return [1.0] * len(parts)
         if self.pass_items:
             self.items(batch)  # refuses a batch with no label token, as weights() does
             return [1.0] * len(parts)
@@ -244,18 +251,15 @@ class _ModelsDevice:
         return batch if self.param is None else {k: v.to(self.param.device) for k, v in batch.items()}
 
 
-def _loss(out):
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-
-
-def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None) -> LossWeighting:
+def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None, ask: bool = True) -> LossWeighting:
     """The weighting of a run's micro-batches, decided once from its first batch (and said once).
-    `probe=False` never runs the model to find how it counts with `num_items_in_batch` (a sharded
-    model's forward communicates); whether its loss shifts labels is still asked, through `call`
-    (see shifts_labels)."""
+    A loss that takes `num_items_in_batch` is told the global count; any other is asked how it
+    reduces (engine/reduction: rows mean, label-token mean shifted or not, sum). `probe=False`
+    never runs the model (a sharded model's forward communicates): whether its loss shifts labels
+    is still asked, through `call` (see shifts_labels), and a loss_fn is weighted by rows; `ask=False`
+    does not ask the reduction (under torch.distributed every rank must weigh alike, and a probe that
+    failed on one rank only would part them), so a loss_fn is weighted by rows and a model's own
+    loss by its label tokens."""
     name = type(unwrap(model)).__name__
     labels = labels_of(batch)
     token_level = labels is not None and labels.dim() >= 2 and not labels.is_floating_point()
@@ -264,18 +268,31 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None)
     if (loss_fn is None or fn_items) and labels is not None and isinstance(batch, Mapping) \
             and probe and forward_takes_items(model):
         counting = probe_counting(model, batch, device)
+    if fn_items:
+        count = label_tokens(counting == "shifted") if counting else _rows_or_labels
+        return LossWeighting(count, True, f"loss_fn gets num_items_in_batch ({counting or 'labels not -100, else rows'})")
+    if loss_fn is None and counting is not None:
+        return LossWeighting(label_tokens(counting == "shifted"), True,
+                             f"{name} divides its loss by num_items_in_batch ({counting} labels)")
+    whose = "loss_fn" if loss_fn is not None else f"{name}'s loss"
+    found = ask_reduction(model, batch, loss_fn, device, probing=_probing) if probe and ask else None
+    if found is not None and found.kind is not None:
+        weighting = _reduced(found.kind, whose)
+        said = weighting.why if found.kind in (ROWS, SUM) else f"a mean over {weighting.why}"
+        log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
+                 whose, said, found.measured)
+        return weighting
+    if found is not None and not found.ambiguous:
+        log.warning("%s matches no reduction autofit knows (rows mean, label-token mean, sum): %s; "
+                    "micro-batches are weighted by rows. Make the loss a mean over rows or label tokens, or "
+                    "a sum, or give loss_fn a num_items_in_batch parameter.", whose, found.measured)
+        return LossWeighting(why="rows: the loss matched no known reduction")
     if loss_fn is not None:
-        if fn_items:
-            count = label_tokens(counting == "shifted") if counting else _rows_or_labels
-            return LossWeighting(count, True, f"loss_fn gets num_items_in_batch ({counting or 'labels not -100, else rows'})")
         if token_level:
             log.info("loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; "
                      "for a mean over label tokens, give loss_fn a num_items_in_batch parameter and divide "
                      "the summed loss by it (autofit passes the global batch's label-token count)")
         return LossWeighting()
-    if counting is not None:
-        return LossWeighting(label_tokens(counting == "shifted"), True,
-                             f"{name} divides its loss by num_items_in_batch ({counting} labels)")
     weighting = LossWeighting()
     if token_level:
         shifted = shifts_labels(model, batch, device, call)
@@ -285,3 +302,11 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None)
         log.info("%s's loss ignores num_items_in_batch although its forward takes it; micro-batches are "
                  "weighted by %s", name, weighting.why if token_level else "rows")
     return weighting
+
+
+def _reduced(kind: str, whose: str) -> LossWeighting:
+    if kind == SUM:
+        return LossWeighting(why="a sum over its rows: micro-batch losses add, each weighs 1", summed=True)
+    if kind == ROWS:
+        return LossWeighting(why="a mean over rows")
+    return LossWeighting(label_tokens(kind == SHIFTED), False, f"label tokens (not -100, {kind})")

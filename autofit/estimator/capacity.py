@@ -28,6 +28,7 @@ resident bytes alone exceed the budget is skipped without an estimate.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -40,11 +41,14 @@ from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.sharded import ShardedEstimator, sharding_of
 from autofit.plans.ladder import config_of
 from autofit.gpu.memory import format_breakdown
+from autofit.gpu.oom import summarize
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.plans.precision import MIXED_PRECISION_COST  # noqa: F401  (its old import path)
 from autofit.plans.precision import get as get_precision
 from autofit.sizes import format_size, parse_size
+
+log = logging.getLogger("autofit")
 
 TIGHT = 0.8                   # resident bytes above this share of the budget: check frugal plans first
 CAPS = ("allocated", "reserved")
@@ -63,6 +67,10 @@ class Candidate:
 
 class _OutOfEstimates(Exception):
     pass
+
+
+class _Dropped(Exception):
+    """A plan whose estimate raised an error that the plain plan (fp32, no move) did not."""
 
 
 def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
@@ -119,14 +127,35 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     limit = usable / calibration
     measured: dict[Plan, Candidate] = {}
 
+    dropped: dict[tuple, str] = {}  # configurations whose move cannot run: {config: the error}
+
     def measure(plan: Plan) -> Candidate:
+        if config_of(plan) in dropped:
+            raise _Dropped
         if plan not in measured:
             if max_estimates is not None and len(measured) >= max_estimates:
                 raise _OutOfEstimates
-            est = estimator.measure(plan)
+            try:
+                est = estimator.measure(plan)
+            except Exception as error:
+                plain = plan.replace(precision="fp32", checkpointing=False, offload_optimizer=False,
+                                     per_parameter_step=False)
+                if plain == plan:
+                    raise  # the plain plan's own error is the job's (the check falls back)
+                measure(plain)  # raises when the plain plan fails too: then it is the job's error
+                dropped[config_of(plan)] = f"{type(error).__name__}: {summarize(error)}"
+                log.warning("estimating %s raised %s, which %s did not; plans like it are left out of the "
+                            "capacity check", plan.describe(), dropped[config_of(plan)], plain.describe())
+                raise _Dropped from None
             measured[plan] = Candidate(plan, est, est.peak(caps) * calibration <= usable,
                                        plan_cost(plan, global_batch))
         return measured[plan]
+
+    def fits(plan: Plan) -> bool:
+        try:
+            return measure(plan).fits
+        except _Dropped:
+            return False
 
     configs: dict[tuple, list[Plan]] = {}
     for plan in plans:
@@ -139,28 +168,33 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     try:
         frugal = _most_frugal(plans)
         if floor(frugal.offload_optimizer) > limit:
-            measure(frugal)  # nothing fits; one estimate says with what
+            fits(frugal)  # nothing fits; one estimate says with what
             return _sorted(measured, plans)
         if floor(frugal.offload_optimizer) > TIGHT * limit:
             # Little room beyond what every plan holds: first see whether the most frugal plans
             # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
             tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
                      and p.micro_batch_size == frugal.micro_batch_size]
-            if not any(measure(p).fits for p in tight):
+            if not any(fits(p) for p in tight):
                 return _sorted(measured, plans)
         # Visit configurations by their best possible cost (their largest micro-batch).
         for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch)):
             group = sorted(group, key=lambda p: -p.micro_batch_size)
             group = [p for p in group if plan_cost(p, global_batch) < best]
             if group:
-                found = _largest_fitting(group, measure, limit,
-                                         functools.partial(floor, group[0].offload_optimizer), caps)
+                try:
+                    found = _largest_fitting(group, measure, limit,
+                                             functools.partial(floor, group[0].offload_optimizer), caps)
+                except _Dropped:
+                    continue  # a configuration whose move cannot run: the others are searched
                 if found is not None:
                     best = min(best, plan_cost(found, global_batch))
         if not any(c.fits for c in measured.values()) and plans:
-            measure(frugal)
+            fits(frugal)
     except _OutOfEstimates:
         pass
+    finally:
+        measure = None  # it calls itself: its closure would hold the estimator (and batch) in a cycle
     return _sorted(measured, plans)
 
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
+from autofit.engine.attempt import MAX_ATTEMPTS_PER_BATCH, Attempt, Attempter, next_down, until_fits
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
 from autofit.gpu.memory import by_kind
@@ -23,8 +23,6 @@ from autofit.integrations import hf_trainer as hf
 from autofit.integrations.hf_trainer import raw_optimizer
 
 log = logging.getLogger("autofit")
-
-MAX_ATTEMPTS = 32  # a ladder longer than this goes round in circles
 
 
 # -- the state an attempt starts from -----------------------------------------------------------
@@ -220,9 +218,12 @@ class TrainAttempts:
                 f"batch in the TrainingArguments or give a larger budget.", attempts=self.attempts,
                 breakdown=memory, budget=device.budget)
         plan, why = taken
-        if len(self.attempts) >= MAX_ATTEMPTS:
-            raise DoesNotFit(f"gave up after {len(self.attempts)} out-of-memory attempts at global step {step} "
-                             f"on {device.describe()}; memory is too unsteady to settle on a plan.",
+        tried = sum(a.step == step for a in self.attempts)
+        if tried >= MAX_ATTEMPTS_PER_BATCH:
+            raise DoesNotFit(f"stopped after {tried} attempts at global step {step} on {device.describe()}: "
+                             f"autofit's safety cap of {MAX_ATTEMPTS_PER_BATCH} attempts per global step (the "
+                             f"ladder still had {plan.describe()} to try); memory this unsteady needs looking at: "
+                             f"autofit.explain(error) lists the attempts.",
                              attempts=self.attempts, breakdown=memory, budget=device.budget)
         self.seen.add(plan)
         checkpoint = self.saves.latest() if self.resumable else None

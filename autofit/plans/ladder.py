@@ -213,8 +213,9 @@ def sharded(ladder: Move) -> Move:
 
 # -- moves are offers; the phase of a failure picks which come first -----------------------------
 
-# Where an attempt ran out of memory (`StepRunner.phase`, `Attempt.where`).
-PHASES = ("forward", "backward", "optimizer.state", "optimizer.step")
+# Where an attempt ran out of memory (`StepRunner.phase`, `Attempt.where`): "copy-in" is a
+# micro-batch's copy to the device (the moves for activations answer it, as for "forward").
+PHASES = ("copy-in", "forward", "backward", "optimizer.state", "optimizer.step")
 
 
 class ByPhase(Move):

@@ -173,8 +173,9 @@ class Training:
         # A sharded model's forwards communicate: its probe runs on every rank at once, agreed.
         call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
         weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
-                                   probe=lockstep.sharded is None, call=call)
-        count_tokens = weighting.count if self.loss_fn is None else None  # ranks weigh by shares
+                                   probe=lockstep.sharded is None, call=call, ask=not self.distributed)
+        # ranks weigh by shares; a loss_fn told num_items_in_batch counts through its weighting
+        count_tokens = None if self.loss_fn is not None and weighting.pass_items else weighting.count
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
                        max_grad_norm=self.max_grad_norm)
         if not self.distributed:

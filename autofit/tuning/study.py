@@ -177,6 +177,8 @@ def finished(optuna, study, plans: dict, measurement: int = 0) -> list[TuneTrial
         which, round_ = _round_of(t)
         attrs = t.user_attrs.get("autofit", {})
         if t.params.get("plan") in plans and which == measurement and attrs.get("outcome") != "superseded":
-            trials.append(TuneTrial(t.number, plans[t.params["plan"]], outcome[t.state], t.value,
+            # a pruned trial is out of memory, or a plan dropped for another error (tune's objective)
+            kind = "error" if attrs.get("outcome") == "error" else outcome[t.state]
+            trials.append(TuneTrial(t.number, plans[t.params["plan"]], kind, t.value,
                                     attrs.get("peak_bytes"), round_, which))
     return trials

@@ -57,6 +57,7 @@ it with no OOM attempt and no probe.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ import torch
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Attempt
 from autofit.gpu.device import open_device
+from autofit.gpu.oom import is_oom, summarize
 from autofit.engine.inputs import build_optimizer, global_batches
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.plans.ladder import SizeLog, config_of
@@ -174,6 +176,10 @@ def tune_on(device, model, optimizer, *, first, batches, longest=None, precision
                                               retune=retune)
         finally:
             pristine.finish()
+            # optuna keeps each pruned trial's exception, whose traceback holds the objective's
+            # frame and through it the batches: a cycle, collected now so no device memory waits
+            # for the next automatic collection.
+            gc.collect()
         trials = finished(optuna, study, plans, measurement)
         result = verdict(trials, default, space, measured, study.study_name, where, memo.key)
         result.measurement = measurement
@@ -257,6 +263,16 @@ def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock
         try:
             m = measure(model, optimizer, device, plan, batches, warmup=warmup, loss_fn=loss_fn,
                         clock=clock)
+        except Exception as error:
+            # A move the plain plan does not make (bf16 without a kernel): that plan is dropped,
+            # the others are measured. The plain plan's own error is the job's: it propagates.
+            if is_oom(error) or not _makes_a_move(plan):
+                raise
+            text = f"{type(error).__name__}: {summarize(error)}"
+            trial.set_user_attr("autofit", {"outcome": "error", "peak_bytes": 0, "samples": 0, "seconds": 0.0,
+                                            "device": device.describe(), "error": text})
+            log.warning("tune: %s raised %s; that plan is dropped, the others are measured", plan.describe(), text)
+            raise optuna.TrialPruned(f"{plan.describe()} raised {text}") from None
         finally:
             pristine.restore()
         # One attribute, one write to the storage.
@@ -268,6 +284,12 @@ def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock
             raise optuna.TrialPruned(f"out of memory under {plan.describe()}: {m.error}")
         return m.samples_per_second
     return objective
+
+
+def _makes_a_move(plan) -> bool:
+    """Whether `plan` turns on something the plain fp32 plan does not (a precision, checkpointing,
+    offload, a per-parameter step)."""
+    return plan.precision != "fp32" or plan.checkpointing or plan.offload_optimizer or plan.per_parameter_step
 
 
 def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None:

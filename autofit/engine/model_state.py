@@ -1,0 +1,216 @@
+"""What a step can write on the model besides its trained parameters, kept so a replay undoes it.
+
+A forward may write tensors that are not buffers: running statistics kept as
+`nn.Parameter(..., requires_grad=False)`, an EMA copy registered as a submodule and updated by a
+forward hook (often through `.data`, which does not move `_version`), noise drawn from a
+`torch.Generator` the model holds. A backward accumulates into every `.grad` it reaches: the model's
+(on top of gradients present before the step, which a plain loop keeps) and leaves outside the model
+that the loss reached (a discriminator's parameters). Three pieces, one per kind of state:
+
+- `Untrained`: parameters that the optimizer does not train (not in its param_groups, or frozen).
+  The first captures copy them all to host memory; at each of the next `LEARN_STEPS` captures
+  (a step has succeeded) those whose contents or `_version` moved are learned (with every untrained
+  parameter of their module), and from then on only those are copied, plus any whose `_version`
+  moves later. A frozen base model that no step writes costs a
+  walk over its parameters per step, no copy.
+- `Generators`: the state of every `torch.Generator` held as a module attribute.
+- `Gradients`: host copies of the gradients present at entry, the model's and, found by walking the
+  first micro-batch's autograd graph at every attempt, those of leaves outside the model; after a
+  failure the failed backward's gradients are dropped and the entry ones put back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("autofit")
+
+# Steps whose writes are learned (every untrained parameter is copied until then): two, so that a
+# write of the value a tensor already held at the first step (an EMA copy's first update) is seen.
+LEARN_STEPS = 2
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (no collective), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return _local(tensor.detach()).to("cpu", copy=True)
+
+
+def trained(optimizer) -> set:
+    """ids of the parameters the optimizer updates: in its param_groups and requiring grad."""
+    return {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+
+
+class Untrained:
+    """Host copies of the parameters the optimizer does not train that a step writes (see the module
+    docstring for how they are learned)."""
+
+    def __init__(self, model, optimizer, device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.saved: dict[tuple, list] = {}  # (module id, name) -> [module, name, param, copy|None, version]
+        self.written: set = set()            # keys a step writes (learned)
+        self.learned = 0                     # steps learned from so far (all are copied until LEARN_STEPS)
+        self.copies = 0                      # parameters copied so far (tests, overhead benchmark)
+        self._warned: set = set()
+
+    def capture(self) -> None:
+        skip = trained(self.optimizer)
+        if self.saved and self.learned < LEARN_STEPS:
+            self._learn()
+        learning = self.learned < LEARN_STEPS
+        seen = {}
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is None or id(p) in skip:
+                    continue
+                key = (id(module), name)
+                old = self.saved.get(key)
+                moved = old is None or old[2] is not p or old[4] != p._version
+                if moved and not learning:
+                    self.written.add(key)  # a new writer (or a new parameter): copied from now on
+                host = None
+                if learning or key in self.written:
+                    with torch.no_grad(), self.device.host():
+                        host = _host(p)
+                    self.copies += 1
+                seen[key] = [module, name, p, host, p._version]
+        self.saved = seen
+
+    def _learn(self) -> None:
+        """After a step: the parameters whose contents or `_version` moved are written, and with
+        them every untrained parameter of their module (an average that happened to write the
+        value it held, as an EMA copy does at its first update, is still a writer)."""
+        modules = set()
+        with torch.no_grad(), self.device.host():
+            for key, (module, name, p, host, version) in self.saved.items():
+                if module._parameters.get(name) is not p or p._version != version or host is None \
+                        or not torch.equal(_host(p), host):
+                    modules.add(id(module))
+        before = len(self.written)
+        self.written |= {key for key in self.saved if key[0] in modules}
+        self.learned += 1
+        if len(self.written) > before:
+            names = sorted({f"{type(m).__name__}.{n}" for k, (m, n, *_r) in self.saved.items() if k in self.written})
+            log.info("a step writes %d parameter(s) the optimizer does not train (%s); they are kept "
+                     "for a replay at every step", len(self.written), ", ".join(names[:5]))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for entry in self.saved.values():
+                module, name, p, host, version = entry
+                if module._parameters.get(name) is not p:
+                    module._parameters[name] = p  # the attempt replaced it: the original comes back
+                if host is None:
+                    if p._version != version and (id(module), name) not in self._warned:
+                        self._warned.add((id(module), name))
+                        log.warning("%s.%s was written by a failed attempt although no step before wrote "
+                                    "it, so autofit kept no copy; the replay starts from what the attempt "
+                                    "left. It is kept from the next step on.", type(module).__name__, name)
+                    self.written.add((id(module), name))
+                    continue
+                _local(p).copy_(host)  # always: native kernels write without moving `_version`
+                entry[4] = p._version
+
+
+def _generators(model) -> list[torch.Generator]:
+    found, seen = [], set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if type(value) is torch.Generator and id(value) not in seen:  # isinstance: ~1 us a value
+                seen.add(id(value))
+                found.append(value)
+    return found
+
+
+class Generators:
+    """The state of every `torch.Generator` a module of the model holds as an attribute."""
+
+    def __init__(self, model):
+        self.model = model
+        self.saved: list[tuple] = []
+
+    def capture(self) -> None:
+        self.saved = [(g, g.get_state()) for g in _generators(self.model)]
+
+    def restore(self) -> None:
+        for g, state in self.saved:
+            g.set_state(state)
+
+
+def leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors whose `.grad` a backward from `loss` accumulates into (AccumulateGrad nodes)."""
+    found, seen = [], set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+class Gradients:
+    """Gradients present when a step begins (kept: the step adds to them, as in a plain loop), on
+    the model and on leaves outside it that the step's backward reaches."""
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.kept: dict[int, tuple] = {}     # id(tensor) -> (tensor, host copy of its entry grad)
+        self.outside: dict[int, tuple] = {}  # leaves outside the model: id -> (tensor, copy or None)
+
+    def capture(self) -> None:
+        self.kept, self.outside = {}, {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                with torch.no_grad(), self.device.host():
+                    self.kept[id(p)] = (p, _host(p.grad))
+
+    def reached(self, loss: torch.Tensor) -> None:
+        """Before a backward from `loss`: keep the entry gradients of the leaves outside the model it
+        reaches (called with the first micro-batch's loss of every attempt)."""
+        params = {id(p) for p in self.model.parameters()}
+        for leaf in leaves(loss):
+            if id(leaf) in params or id(leaf) in self.outside:
+                continue
+            with torch.no_grad(), self.device.host():
+                self.outside[id(leaf)] = (leaf, None if leaf.grad is None else _host(leaf.grad))
+
+    def drop(self) -> None:
+        """After a failure: the failed backward's gradients outside the model go (before memory is
+        checked; the model's are dropped by the release)."""
+        for tensor, _ in self.outside.values():
+            tensor.grad = None
+
+    def restore(self) -> None:
+        """Before a replay: the entry gradients come back, on the device."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if id(p) not in self.kept:
+                    p.grad = None
+            for tensor, host in list(self.kept.values()) + list(self.outside.values()):
+                tensor.grad = None if host is None else _on_device(host, tensor)
+
+    def release(self) -> None:
+        self.kept, self.outside = {}, {}
+
+
+def _on_device(host: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`host` (a copy of a local shard) as a gradient of `tensor`: on its device, a DTensor again
+    when `tensor` is one."""
+    value = host.to(_local(tensor).device, copy=True)  # a copy: the host one serves the next replay
+    if hasattr(tensor, "to_local"):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(value, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                  stride=tensor.stride(), run_check=False)
+    return value

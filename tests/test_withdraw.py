@@ -1,0 +1,132 @@
+"""A move whose plan raises an error that the plan before it did not raise (a kernel without bf16)
+is withdrawn: the state is restored, the move is skipped for the rest of the run, and the run goes
+on as the plain loop with the same splits. An error the plans share is the user's: it propagates."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autofit
+
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
+
+class NoBf16Kernel(torch.nn.Linear):
+    """As oneDNN's LSTM on a CPU without its bf16 kernel: a RuntimeError under bf16 autocast."""
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+        return super().forward(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(NoBf16Kernel(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def batches(n=3, rows=8):
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(rows, 4, generator=g), "y": torch.randint(0, 3, (rows,), generator=g)}
+            for _ in range(n)]
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def test_bf16_without_a_kernel_is_withdrawn_and_the_run_goes_on():
+    model, data = Net(), batches()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)  # the first attempt runs out of memory
+        result = autofit.run(model, data, loss_fn=loss_fn, optimizer=sgd, precision="auto",
+                             progress=False, cache=False)
+    first = [(a.outcome, a.plan.precision, a.plan.checkpointing) for a in result.attempts[:3]]
+    assert first == [("oom", "fp32", False), ("withdrawn", "bf16", False), ("ok", "fp32", True)]
+    withdrawn = result.attempts[1]
+    assert withdrawn.error == ("RuntimeError: could not create a primitive descriptor for the LSTM forward "
+                               "propagation primitive") and withdrawn.where == "forward"
+    assert all(h["plan"].precision == "fp32" for h in result.history)
+    assert result.attempts[2].reason.endswith(
+        "(SetField(precision='bf16') skipped: precision='bf16' was withdrawn: it raised RuntimeError: could not "
+        "create a primitive descriptor for the LSTM forward propagation primitive)")
+    reference = Net()
+    opt = sgd(reference.parameters())
+    for batch, h in zip(batches(), result.history):
+        micro = h["plan"].micro_batch_size
+        for i in range(0, 8, micro):
+            part = {k: v[i:i + micro] for k, v in batch.items()}
+            (loss_fn(reference, part) * (len(part["y"]) / 8)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+    assert ("it raised RuntimeError: could not create a primitive descriptor for the LSTM forward propagation "
+            "primitive, so that move was withdrawn for the rest of the run.") in autofit.explain(result)
+
+
+def test_the_stepper_withdraws_the_move_too():
+    model, data = Net(), batches()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="auto", cache=False) as step:
+            plans = [step(batch).plan for batch in data]
+        outcomes = [a.outcome for a in step.attempts]
+    assert outcomes[:3] == ["oom", "withdrawn", "ok"] and {p.precision for p in plans} == {"fp32"}
+
+
+def test_an_error_the_plans_share_is_the_users_and_propagates_unchanged():
+    """Step 1 raises in every plan: its first plan ran out of memory first, the next plan's error is
+    taken for its move's, and the one after raises it again: the user's error ends the run."""
+    calls = []
+
+    def failing(model, batch):
+        calls.append(len(batch["y"]))
+        if len(calls) > 1:
+            raise ValueError("labels out of range (the user's bug)")
+        return loss_fn(model, batch)
+    model, data = Net(), batches()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        with pytest.raises(ValueError, match=r"^labels out of range \(the user's bug\)$"):
+            autofit.run(model, data, loss_fn=failing, optimizer=sgd, precision="fp32", progress=False,
+                        cache=False, capacity_check=False)
+
+
+def test_an_error_without_a_move_before_it_propagates():
+    def failing(model, batch):
+        raise KeyError("no such field")
+    with pytest.raises(KeyError, match="no such field"):
+        autofit.run(Net(), batches(), loss_fn=failing, optimizer=sgd, precision="auto", progress=False,
+                    cache=False, capacity_check=False)
+
+
+def test_a_real_lstm_under_precision_auto_runs_to_the_end():
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj, self.lstm, self.head = torch.nn.Linear(4, 8), torch.nn.LSTM(8, 16, batch_first=True), \
+                torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(self.lstm(self.proj(x))[0][:, -1])
+    g = torch.Generator().manual_seed(2)
+    data = [{"x": torch.randn(8, 5, 4, generator=g), "y": torch.randint(0, 3, (8,), generator=g)} for _ in range(3)]
+    model = Tagger()
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)
+        result = autofit.run(model, data, loss_fn=loss_fn, optimizer=sgd, precision="auto", progress=False,
+                             cache=False)
+    assert len(result.history) == 3
+    assert [a.outcome for a in result.attempts][0] == "oom"
