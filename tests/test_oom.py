@@ -390,6 +390,6 @@ def test_a_run_ends_and_recovers_without_a_full_collection():
         result = autofit.run(model, data, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), cache=False,
                              progress=False, capacity_check=False)
-        assert gpu.memory_allocated() == 4096 + 512 + 1024 + 512  # the parameters: the run's own optimizer state is gone
+        assert gpu.memory_allocated() == 4096 + 512 + 1024 + 512  # the parameters: the run's own optimizer state went to the host
     assert [a.outcome for a in result.attempts] == ["oom", "ok"]
     assert 2 not in seen.generations

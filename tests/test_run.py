@@ -182,8 +182,11 @@ def test_an_oom_at_every_allocation_is_survived_with_the_same_result():
         if sizes not in references:
             references[sizes] = plain_loop(copy.deepcopy(pristine), batches, sizes)
         assert max_diff(model, references[sizes]) == 0.0, index
-        # What stays is the model and the optimizer's state, kept for a checkpoint (result.optimizer).
-        assert held == _model_bytes(model) + _state_bytes(result.optimizer), index
+        # What stays on the device is the model: the state of the optimizer autofit built went to
+        # the host with result.optimizer, to be saved.
+        assert held == _model_bytes(model), index
+        assert _state_bytes(result.optimizer) > 0 and not any(
+            gpu.holds(v) for s in result.optimizer.state.values() for v in s.values()), index
     # A failure in step 0 halves to 2 (and step 1 probes 3); one in step 1 keeps 4 for step 0.
     assert sorted(references) == [(2, 3), (4, 2)]
 

@@ -30,7 +30,10 @@ after the step, with parameters and state both after the update.
 
 Where the state is: on the host from the first offloaded step (and right after a `load_state_dict`,
 which torch places on the parameters' device) until a plan without offload takes it back to the
-device (`to_device`); after the run it stays where the last plan kept it. Group options a host step
+device (`to_device`); after the run it stays where the last plan kept it, except for an optimizer
+autofit built from a factory, whose state goes to the host at the end (`to_host`): the device is
+then as clean as before the run, as a second training phase needs, and `RunResult.optimizer` still
+holds the state to save. Group options a host step
 cannot run with (`capturable`) are off during the host step only.
 """
 
@@ -73,12 +76,7 @@ class Offload:
     # -- where the state lives ------------------------------------------------------------------
     def to_host(self) -> None:
         """Replace every state tensor held on the device by a host copy."""
-        on_device = self.device.on_device
-        with torch.no_grad(), self.device.host():
-            for state in list(self.optimizer.state.values()):
-                for k, v in list(state.items()):
-                    if isinstance(v, torch.Tensor) and on_device(v):
-                        state[k] = v.detach().to("cpu", copy=True)
+        to_host(self.optimizer, self.device)
 
     def close(self) -> None:
         """Stop offloading; the state stays on the host (`to_device` brings it back)."""
@@ -166,6 +164,16 @@ class Offload:
         error, self.interrupted = self.interrupted, None
         if error is not None:
             raise error
+
+
+def to_host(optimizer, device) -> None:
+    """Replace every state tensor of `optimizer` held on the device by a host copy."""
+    on_device = device.on_device
+    with torch.no_grad(), device.host():
+        for state in list(optimizer.state.values()):
+            for k, v in list(state.items()):
+                if isinstance(v, torch.Tensor) and on_device(v):
+                    state[k] = v.detach().to("cpu", copy=True)
 
 
 def to_device(optimizer, device) -> None:

@@ -247,6 +247,12 @@ class _FakeDevice(SimulatedDevice):
         with self.gpu.as_kind("other"):
             return _map_tensors(batch, lambda t: t.clone())
 
+    def on_device(self, tensor):
+        # Every tensor of the estimated step stands for device memory, the optimizer state too,
+        # though it is counted only once the step begins (`_first_step`): the runner must never
+        # take it for host state left by an offload and "bring it back" (a second copy).
+        return True
+
 
 # -- the estimate -------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
 from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
+from autofit.engine.offload import to_host
 from autofit.plans.ladder import SizeLog, as_move, sharded as sharded_ladder
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.plans.applies import not_applicable
@@ -264,6 +265,12 @@ class Training:
         self.lockstep.close()
         if not self.was_training:
             self.model.eval()
+        if self.own_optimizer:
+            # Built from a factory, so nothing but autofit (and RunResult.optimizer) holds it: its
+            # state goes to the host, where it can be saved, and the device is left as before the
+            # run (the two-phase fine-tune's second phase needs that memory). A user's own
+            # instance keeps its state where a plain loop would leave it.
+            to_host(self.optimizer, self.device)
         if self.watch is not None:
             self.findings = self.watch.findings
         # Drop the references to the step's objects so gc can free them now.
