@@ -10,15 +10,16 @@ import zlib
 
 import torch
 
+from autofit.distributed import internals
 from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
 from autofit.gpu.oom import is_oom, summarize
 from autofit.plans.plan import Plan
 
 OK, OOM, ERROR = 0, 1, 2
-HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES = range(9)
+HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES, CLIP = range(10)
 PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
-          "in evaluation", "counting the global batch")
+          "in evaluation", "counting the global batch", "clipping the gradients")
 FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
@@ -132,10 +133,12 @@ class Agreement:
                              f"whole world.")
         # One per process, kept for later runs: creating a group is itself a collective, and a
         # second run's creation hung for good after rank 0 alone had run a sharded capacity check.
-        world = dist.distributed_c10d._world
-        kept = _SEPARATE.get(id(world.default_pg))
-        if kept is None or kept not in world.pg_map:  # none yet, or its world was destroyed
-            kept = _SEPARATE[id(world.default_pg)] = dist.new_group(backend="gloo")
+        # It waits as long as the user's own group does (new_group alone would wait 30 minutes).
+        key = internals.default_group_key()
+        kept = _SEPARATE.get(key)
+        if kept is None or not internals.group_alive(kept):  # none yet, or its world was destroyed
+            timeout = internals.group_timeout(dist.group.WORLD)
+            kept = _SEPARATE[key] = dist.new_group(backend="gloo", timeout=timeout)
         return kept
 
     # -- agreements ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from autofit.distributed.agreement import BACKWARD
+from autofit.distributed.clipping import agreed_prestep
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
@@ -35,6 +36,13 @@ class DistributedStepRunner(StepRunner):
         super().abandon()
         if self.lockstep.sharded is not None:
             self.lockstep.sharded.abandon()
+
+    def _prestep(self, target) -> None:
+        """Unscale and clip behind an agreement (autofit.distributed.clipping); offloaded, on the
+        host copy as in one process."""
+        if self.offloaded is not None:
+            return super()._prestep(target)
+        agreed_prestep(self, target)
 
     def held(self) -> list:
         """Tensors training holds besides the model's and the optimizer's (the leak watch's

@@ -215,14 +215,11 @@ class StepRunner:
         `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
         target = self.offloaded or self.optimizer
         self.grad_norm = None
+        # Before the atomic step: nothing is applied yet, so an OOM here is the attempt's own
+        # (the global batch is replayed; its gradients are made again).
+        self._phased(lambda: self._prestep(target))()
 
         def step():
-            # Clipping is part of the step: an OOM in it rolls back with the update.
-            if self.max_grad_norm is not None:
-                if self.scaler is not None:
-                    self.scaler.unscale_(target)  # the norm of the true gradient, not the scaled one
-                if self.offloaded is None:
-                    self._clip(self.model.parameters())
             if self.scaler is not None:
                 self.scaler.step(target)
             else:
@@ -240,6 +237,15 @@ class StepRunner:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _prestep(self, target) -> None:
+        """What comes before the update and changes only the gradients: unscaling (the norm of the
+        true gradient, not the scaled one) and clipping."""
+        if self.max_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(target)
+            if self.offloaded is None:  # offloaded: clipped on the host copy, inside its step
+                self._clip(self.model.parameters())
 
     def _clip(self, params) -> None:
         """Clip the accumulated gradient of the whole global batch, as a plain loop would."""

@@ -1,0 +1,112 @@
+"""Failures on one of two gloo ranks that every rank must meet together: an OOM in gradient clipping
+(DDP-style replicas and FSDP2), a rank stalled in forward under the process group's timeout, an
+optimizer that cannot step FSDP2's shards. Spawned ranks, tiny BERTs."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from spawn import max_diff, spawn_ranks, timed
+
+WORLD = 2
+PROCESS_TIMEOUT = 120  # a backstop: each spawn ends in seconds
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")]
+
+
+def _init(rank, init_file, seconds):
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.getLogger("autofit").setLevel(logging.ERROR)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=seconds))
+
+
+class _OomInNorm:
+    """The first norm computed while armed raises an OOM (what clipping computes first)."""
+
+    def __init__(self):
+        self.saved = (torch.linalg.vector_norm, torch._foreach_norm)
+        self.fired = 0
+
+    def __enter__(self):
+        def failing(original):
+            def norm(*args, **kwargs):
+                if not self.fired:
+                    self.fired += 1
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB "
+                                                 "(injected in clipping)")
+                return original(*args, **kwargs)
+            return norm
+        torch.linalg.vector_norm, torch._foreach_norm = (failing(f) for f in self.saved)
+        return self
+
+    def __exit__(self, *exc):
+        torch.linalg.vector_norm, torch._foreach_norm = self.saved
+        return False
+
+
+def _full_state(model) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _clip_worker(rank, init_file, out_dir, shard):
+    _init(rank, init_file, 60)
+    import autofit
+    from reference import bert, cls_batches
+    seen, saved = {}, {}
+    for name, faulty in (("clean", False), ("fault", rank == 1)):
+        model = bert()
+        with _OomInNorm() if faulty else _nothing():
+            result = autofit.run(model, cls_batches(2, rows=8), max_grad_norm=0.05, shard=shard,
+                                 optimizer=torch.optim.AdamW, precision="fp32", progress=False,
+                                 cache=False, capacity_check=False)
+        seen[name] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where] for a in result.attempts],
+                      "norms": [h.get("grad_norm") for h in result.history]}
+        saved[name] = _full_state(model)
+    torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.distributed.destroy_process_group()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _spawn(worker, tmp_path, *args):
+    codes, killed = spawn_ranks(worker, lambda r: (r, str(tmp_path / "init"), str(tmp_path), *args),
+                                WORLD, PROCESS_TIMEOUT)
+    assert not killed and codes == [0] * WORLD, (codes, killed)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "fsdp2"])
+def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shard):
+    """Nothing is applied when clipping runs out of memory: both ranks drop the attempt at the
+    clipping agreement and replay the global batch, ending as the fault-free run did."""
+    seen = _spawn(_clip_worker, tmp_path, shard)
+    params = [torch.load(tmp_path / f"params{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert seen[0] == seen[1]  # the same attempts and norms on both ranks
+    clean, fault = seen[1]["clean"], seen[1]["fault"]
+    assert clean["attempts"] == [[0, 4, "ok", ""], [1, 4, "ok", ""]]
+    # A transient OOM: the same plan again (no verdict), so the same mathematics as the clean run.
+    assert fault["attempts"] == [[0, 4, "oom", "optimizer.step"], [0, 4, "ok", ""], [1, 4, "ok", ""]]
+    assert fault["norms"] == clean["norms"] and min(clean["norms"]) > 0.05  # it clipped
+    for p in params:
+        assert max_diff(p["fault"], p["clean"]) == 0.0
+    assert max_diff(params[0]["fault"], params[1]["fault"]) == 0.0
