@@ -110,3 +110,78 @@ def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shar
     for p in params:
         assert max_diff(p["fault"], p["clean"]) == 0.0
     assert max_diff(params[0]["fault"], params[1]["fault"]) == 0.0
+
+
+STALL_S = 45.0
+
+
+def _stall_worker(rank, init_file, out_dir):
+    _init(rank, init_file, 10)
+    import autofit
+    from reference import bert, cls_batches
+    model = bert()
+    calls = []
+    if rank == 1:  # its first forward of block 1 stalls, as a hung data transform or device would
+        model.bert.encoder.layer[1].register_forward_pre_hook(
+            lambda m, a: None if calls else (calls.append(1), time.sleep(STALL_S)))
+    seen = timed(lambda: autofit.run(model, cls_batches(2, rows=8), shard=True, optimizer=torch.optim.AdamW,
+                                     precision="fp32", progress=False, cache=False, capacity_check=False))
+    seen.pop("value", None)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    os._exit(0)  # the group is broken: nothing to tear down
+
+
+def test_a_rank_stalled_in_forward_ends_every_rank_within_the_users_timeout_naming_it(tmp_path):
+    """init_process_group(timeout=10 s), FSDP2: rank 1 sleeps 45 s inside its first forward. Rank 0
+    waits at its next agreement for the timeout the user gave (not torch's 30 minutes) and names
+    rank 1 and where it last was; rank 1 is stopped by the others' verdict, not at its wake-up."""
+    start = time.monotonic()
+    seen = _spawn(_stall_worker, tmp_path)
+    assert time.monotonic() - start < STALL_S  # the stalled rank did not sleep its 45 s out
+    stalled = ("rank 1 (it was last at global step 0, in forward/backward) did not reach the agreement "
+               "at global step 0, in forward/backward within the process group's timeout (10 s): it "
+               "stalled or died")
+    assert seen[0]["error"] == "RankFailed"
+    assert seen[0]["message"].startswith(stalled + "; every rank stops, this is rank 0."), seen[0]["message"]
+    assert seen[1]["error"] == "RankFailed"
+    assert seen[1]["message"] == f"rank 0 stopped the run: {stalled}; every rank " \
+                                 f"stops, this is rank 1."
+    for s in seen:
+        assert 10.0 <= s["seconds"] < 40.0, seen
+
+
+def _interrupt_worker(rank, init_file, out_dir):
+    _init(rank, init_file, 60)
+    import autofit
+    from reference import bert, cls_batches
+    seen = {}
+    for kind in (SystemExit, KeyboardInterrupt):
+        def loss_fn(model, batch, _calls=[]):
+            _calls.append(1)
+            if rank == 1 and len(_calls) == 2:  # the second global batch's forward
+                raise kind(3) if kind is SystemExit else kind()
+            return model(**batch).loss
+        start = time.monotonic()
+        try:
+            autofit.run(bert(), cls_batches(3, rows=8), loss_fn=loss_fn, precision="fp32", progress=False,
+                        cache=False, capacity_check=False)
+            seen[kind.__name__] = {"error": None}
+        except BaseException as error:  # noqa: BLE001 - which error each rank got is the test
+            seen[kind.__name__] = {"error": type(error).__name__, "message": str(error),
+                                   "seconds": time.monotonic() - start}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_system_exit_or_keyboard_interrupt_on_one_rank_is_announced_to_the_others(tmp_path):
+    """Not only Exceptions: the others learn of any BaseException at their next agreement and end
+    with RankFailed naming it, while the rank itself propagates its own (the group stays usable)."""
+    seen = _spawn(_interrupt_worker, tmp_path)
+    for kind in ("SystemExit", "KeyboardInterrupt"):
+        assert seen[1][kind]["error"] == kind
+        assert seen[0][kind]["error"] == "RankFailed"
+        assert seen[0][kind]["message"].startswith(f"rank 1 failed with {kind}: "), seen[0][kind]
+        assert "at global step 1" in seen[0][kind]["message"], seen[0][kind]
+        assert seen[0][kind]["seconds"] < 30.0

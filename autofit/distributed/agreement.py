@@ -11,6 +11,7 @@ import zlib
 import torch
 
 from autofit.distributed import internals
+from autofit.distributed.presence import Presence
 from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
 from autofit.gpu.oom import is_oom, summarize
 from autofit.plans.plan import Plan
@@ -34,6 +35,11 @@ def plan_hash(plan: Plan | None) -> int:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {summarize(error)}"
+
+
+def where(step: int, phase: int) -> str:
+    """'at global step 3, in forward/backward'."""
+    return f"at global step {step}, {PHASES[phase] if 0 <= phase < len(PHASES) else 'phase %d' % phase}"
 
 
 class Verdict:
@@ -94,8 +100,8 @@ class Verdict:
         if self.errors:
             r = self.errors[0]
             text = self.messages[r] if self.messages else "an error"
-            where = PHASES[int(self.headers[r]["phase"])]
-            raise RankFailed(f"rank {r} failed with {text} ({where}); every rank stops, "
+            at = where(int(self.headers[r]["step"]), int(self.headers[r]["phase"]))
+            raise RankFailed(f"rank {r} failed with {text} ({at}); every rank stops, "
                              f"this is rank {self.rank}. The error and its traceback are in rank {r}'s "
                              f"output.", rank=r, error=text)
         if self.mismatch is not None:
@@ -117,6 +123,7 @@ class Agreement:
     `world`, `group`, `step`, `model_hash`, `met` and `mask_size` (entries per header once met)."""
 
     settled = False  # the other ranks know how this rank's run ends: no farewell
+    _phase = HELLO   # the phase of the agreement under way (for the errors when it fails)
     _host = contextlib.nullcontext
 
     def _cpu_group(self, separate: bool = False):
@@ -142,16 +149,45 @@ class Agreement:
         return kept
 
     # -- agreements ----------------------------------------------------------------------------
+    def _presence(self) -> Presence:
+        if self.__dict__.get("presence") is None:
+            self.presence = Presence(self.rank, self.world, where)
+        return self.presence
+
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world)]
         try:
             torch.distributed.all_gather(out, tensor, group=self.agreement_group)
         except Exception as error:
             self.settled = True  # the collective itself is broken: a farewell would wait for nothing
-            raise LockstepError(f"the agreement between ranks failed on rank {self.rank}: "
-                                f"{_describe(error)}; another rank has probably died or timed "
-                                f"out.") from error
-        return out
+            failed = error
+        else:
+            return out
+        raise self._unreached(failed)
+
+    def _unreached(self, error: Exception) -> Exception:
+        """The error for an agreement whose collective failed: RankFailed naming the ranks that
+        never reached it (stalled or died) and where they last were, else LockstepError."""
+        presence = self._presence()
+        absent = presence.absent()
+        here = where(self.step, self._phase)
+        timeout = internals.group_timeout(self.agreement_group)
+        within = f" within the process group's timeout ({timeout.total_seconds():g} s)" if timeout else ""
+        if not absent:
+            presence.stop(f"rank {self.rank}'s agreement {here} failed ({_describe(error)})")
+            return LockstepError(f"the agreement between ranks failed on rank {self.rank} {here}: "
+                                 f"{_describe(error)}; another rank has probably died or timed out.")
+        names = "; ".join(f"rank {r} ({last})" for r, last in absent)
+        reason = f"{names} did not reach the agreement {here}{within}: it stalled or died"
+        presence.stop(reason)
+        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}. (The collective: "
+                            f"{_describe(error)})", rank=absent[0][0], error=reason)
+        failed.__cause__ = error
+        return failed
+
+    def _stopped(self, rank: int, reason: str) -> RankFailed:
+        return RankFailed(f"rank {rank} stopped the run: {reason}; every rank stops, this is rank "
+                          f"{self.rank}.", rank=rank, error=reason)
 
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
@@ -160,6 +196,12 @@ class Agreement:
         """One agreement. Call it outside any `except` block (an error raised here must not look
         like it was raised while handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
+        presence = self._presence()
+        if presence.stopped is not None:  # another rank ended the run: no one answers any more
+            self.settled = True
+            raise presence.stopped
+        self._phase = phase
+        presence.enter(self.step, phase)
         n = len(FIELDS)
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
@@ -205,12 +247,22 @@ class Agreement:
 
     @contextlib.contextmanager
     def scope(self):
-        """Around a run: an error that escapes without the others knowing is announced to them."""
+        """Around a run: an error that escapes without the others knowing is announced to them
+        (any BaseException: SystemExit and KeyboardInterrupt too); the presence watch runs inside
+        the outermost scope."""
+        presence = self._presence()
+        self._scopes = getattr(self, "_scopes", 0) + 1
+        if self._scopes == 1:
+            presence.watch(self._stopped)
         try:
             yield self
-        except Exception as error:
+        except BaseException as error:
             self.farewell(error)
             raise
+        finally:
+            self._scopes -= 1
+            if self._scopes == 0:
+                presence.close()
 
     def _global(self, group_rank: int) -> int:
         group = self.agreement_group

@@ -93,11 +93,12 @@ import zlib
 
 import torch
 
-from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement
+from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
 from autofit.distributed.fsdp import Sharded, is_sharded
+from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
 from autofit.engine.batches import batch_size as rows_of
@@ -154,6 +155,7 @@ class Lockstep(Deciding, Agreement):
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.agreement_group = self._cpu_group(separate=sharded)
+        self.presence = Presence(self.rank, self.world, where)  # names a rank that stalls or dies
         self.user_ddp = ddp
         self.module = ddp.module if ddp is not None else model
         if not isinstance(self.module, torch.nn.Module):  # run refuses it, inside the lockstep's scope
