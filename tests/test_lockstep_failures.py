@@ -185,3 +185,36 @@ def test_a_system_exit_or_keyboard_interrupt_on_one_rank_is_announced_to_the_oth
         assert seen[0][kind]["message"].startswith(f"rank 1 failed with {kind}: "), seen[0][kind]
         assert "at global step 1" in seen[0][kind]["message"], seen[0][kind]
         assert seen[0][kind]["seconds"] < 30.0
+
+
+def _adafactor_worker(rank, init_file, out_dir):
+    _init(rank, init_file, 60)
+    import autofit
+    from reference import bert, cls_batches
+    model = bert()
+    steps = []
+    optimizer = lambda params: torch.optim.Adafactor(params, lr=0.01)  # noqa: E731
+    losses = lambda m, b: steps.append(1) or m(**b).loss  # noqa: E731
+    before = _full_state(model)
+    seen = timed(lambda: autofit.run(model, cls_batches(2, rows=8), loss_fn=losses, shard=True,
+                                     optimizer=optimizer, precision="fp32", progress=False, cache=False,
+                                     capacity_check=False))
+    seen.pop("value", None)
+    seen["forwards"] = len(steps)
+    seen["untouched"] = max_diff(before, _full_state(model)) == 0.0
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_an_optimizer_that_cannot_step_shards_is_refused_on_every_rank_before_training(tmp_path):
+    """torch.optim.Adafactor raises on FSDP2's DTensors at its first step: found by a trial step on
+    a tiny sharded parameter, refused on both ranks before any forward, naming it and torch's reason."""
+    seen = _spawn(_adafactor_worker, tmp_path)
+    for s in seen:
+        assert s["error"] == "ValueError", s
+        assert s["message"].startswith("torch.optim.Adafactor cannot step FSDP2's sharded parameters "
+                                       "(DTensors): a step on a tiny sharded parameter ("), s
+        assert "raised RuntimeError: aten.pow_.Scalar: in-place operations that require placement " \
+               "changes are not supported." in s["message"], s
+        assert s["forwards"] == 0 and s["untouched"]

@@ -17,10 +17,11 @@ from autofit.gpu.oom import is_oom, summarize
 from autofit.plans.plan import Plan
 
 OK, OOM, ERROR = 0, 1, 2
-HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES, CLIP = range(10)
+HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES, CLIP, OPTIMIZER = range(11)
 PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
-          "in evaluation", "counting the global batch", "clipping the gradients")
+          "in evaluation", "counting the global batch", "clipping the gradients",
+          "trying the optimizer on shards")
 FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)

@@ -28,14 +28,20 @@ CHECKED = {
                     "all_reduce_grads", "fsdp_params", "mesh_info"),
     "parameter": ("free_unsharded_param", "unsharded_accumulated_grad", "unsharded_param"),
     "mesh": ("_rank_map",),
-    "module": ("torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
-               "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
-               "torch.distributed.distributed_c10d._get_default_store",
-               "torch.distributed.distributed_c10d._world",
-               "torch.distributed.tensor.DTensor._op_dispatcher",
-               "ProcessGroup._get_backend", "Options._timeout",
-               "_op_dispatcher._custom_op_handlers", "_world.pg_map", "_world.default_pg",
-               "aten._amp_foreach_non_finite_check_and_unscale_"),
+    # what DDP's setter writes on a module: the parameters and buffers a DDP leaves alone
+    "ddp": ("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+            "_ddp_params_and_buffers_to_ignore"),
+    "fsdp module": ("torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
+                    "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter"),
+    # every run on more than one rank: its agreement group, the store that names a stalled rank
+    "c10d": ("torch.distributed.distributed_c10d._get_default_store",
+             "torch.distributed.distributed_c10d._world.pg_map",
+             "torch.distributed.distributed_c10d._world.default_pg",
+             "torch.distributed.ProcessGroup._get_backend",
+             "torch.distributed.ProcessGroupGloo._Options._timeout"),
+    # a sharded run's grad scaler
+    "dtensor": ("torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
+                "torch.ops.aten._amp_foreach_non_finite_check_and_unscale_"),
 }
 
 
@@ -67,6 +73,11 @@ def default_group_key() -> int:
 def group_alive(group) -> bool:
     """Whether `group` still belongs to the current world (destroy_process_group forgets it)."""
     return group in torch.distributed.distributed_c10d._world.pg_map
+
+
+def ddp_ignored(module) -> set[str]:
+    """The names of the parameters and buffers DDP is told to leave alone on `module`."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 # -- DTensor -----------------------------------------------------------------------------------
@@ -194,28 +205,41 @@ def _has(path: str) -> bool:
     return False
 
 
-def missing() -> list[str]:
-    """The module-level internals (process groups, DTensor) this torch lacks; [] when all are there."""
-    out = [p for p in CHECKED["module"] if p.startswith("torch.") and not _has(p)]
-    try:
-        from torch.distributed.tensor import DTensor
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        if torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default not in handlers:
-            out.append("the found-inf handler in _op_dispatcher._custom_op_handlers")
-    except Exception:  # noqa: BLE001
-        out.append("_op_dispatcher._custom_op_handlers")
-    try:
-        torch.distributed.distributed_c10d._world.pg_map  # noqa: B018
-        torch.distributed.distributed_c10d._world.default_pg  # noqa: B018
-    except Exception:  # noqa: BLE001
-        out.append("_world.pg_map")
+def missing(sharded: bool = False) -> list[str]:
+    """What this torch lacks of the internals a run on several ranks uses (`sharded`: and those of
+    a sharded run besides FSDP2's own, see `internals_missing`); [] when all are there."""
+    out = [p for p in CHECKED["c10d"] if not _has(p)]
+    setter, written = CHECKED["ddp"]
+    if not _has(setter):
+        out.append(setter)
+    else:
+        probe = torch.nn.Module()
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(probe, [])
+        if not hasattr(probe, written):
+            out.append(f"module.{written}")
+    if sharded:
+        out += [p for p in CHECKED["dtensor"] if not _has(p)]
+        if not out:
+            from torch.distributed.tensor import DTensor
+            if torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default not in \
+                    DTensor._op_dispatcher._custom_op_handlers:
+                out.append("DTensor's found-inf handler")
     return out
+
+
+def refuse_missing(sharded: bool = False) -> None:
+    """Raise before the run when this torch lacks what `missing` checks."""
+    lacking = missing(sharded)
+    if lacking:
+        raise RuntimeError(f"autofit runs on several ranks through torch.distributed internals as "
+                           f"torch 2.13 has them, and this torch {torch.__version__} lacks "
+                           f"{', '.join(lacking)}: install torch 2.13, or run without autofit")
 
 
 def internals_missing(units) -> list[str]:
     """The FSDP2 internals autofit relies on that `units` (fully_shard modules) lack, as
     'kind.name'; [] when all are there."""
-    found = [p.rsplit(".", 1)[-1] for p in CHECKED["module"][:2] if not _has(p)]
+    found = [p.rsplit(".", 1)[-1] for p in CHECKED["fsdp module"] if not _has(p)]
     out = [f"_fsdp_api.{n}" for n in found]
     for unit in units:
         out += [f"unit.{n}" for n in CHECKED["unit"] if not hasattr(unit, n)]

@@ -93,10 +93,11 @@ import zlib
 
 import torch
 
-from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement, where
+from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP, Agreement, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
+from autofit.distributed import internals
 from autofit.distributed.fsdp import Sharded, is_sharded
 from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
@@ -151,6 +152,7 @@ class Lockstep(Deciding, Agreement):
 
     def __init__(self, model, ddp=None, *, sharded: bool = False):
         dist = torch.distributed
+        internals.refuse_missing(sharded)  # before any agreement: a clear refusal, not a mid-step error
         self.group = ddp.process_group if ddp is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -211,6 +213,22 @@ class Lockstep(Deciding, Agreement):
         self.replicas.broadcast_from_rank0()
         return self.module
 
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuse, on every rank before the first step, an optimizer that cannot step this model's
+        shards (autofit.distributed.shard_step: found by trying)."""
+        if self.sharded is None:
+            return
+        from autofit.distributed.shard_step import sharded_step_problem
+        failure = None
+        try:
+            with self._host():
+                problem = sharded_step_problem(optimizer, self.module)
+            if problem is not None:
+                failure = ValueError(problem)
+        except Exception as error:
+            failure = error
+        self.agree(OPTIMIZER, failure, host=self._host)
 
     def epochs(self, epoch_batches):
         """`epoch_batches` that first calls `sampler.set_epoch(k)` for the k-th epoch, as a plain
