@@ -31,12 +31,27 @@ def _init(rank, init_file, seconds):
                             timeout=timedelta(seconds=seconds))
 
 
-class _OomInNorm:
-    """The first norm computed while armed raises an OOM (what clipping computes first)."""
+class _OomIn:
+    """The first call, while armed, of what clipping computes first (a norm: `where` "norm") or of
+    the grad scaler's unscale ("unscale") raises an OOM."""
 
-    def __init__(self):
-        self.saved = (torch.linalg.vector_norm, torch._foreach_norm)
+    NAMES = {"norm": ("linalg.vector_norm", "_foreach_norm"),
+             "unscale": ("_amp_foreach_non_finite_check_and_unscale_",)}
+
+    def __init__(self, where):
+        self.names = self.NAMES[where]
+        self.saved = tuple(self._get(n) for n in self.names)
         self.fired = 0
+
+    @staticmethod
+    def _get(name):
+        owner, _, attr = name.rpartition(".")
+        return getattr(torch.linalg if owner else torch, attr)
+
+    @staticmethod
+    def _set(name, value):
+        owner, _, attr = name.rpartition(".")
+        setattr(torch.linalg if owner else torch, attr, value)
 
     def __enter__(self):
         def failing(original):
@@ -44,14 +59,16 @@ class _OomInNorm:
                 if not self.fired:
                     self.fired += 1
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB "
-                                                 "(injected in clipping)")
+                                                 "(injected)")
                 return original(*args, **kwargs)
             return norm
-        torch.linalg.vector_norm, torch._foreach_norm = (failing(f) for f in self.saved)
+        for name, original in zip(self.names, self.saved):
+            self._set(name, failing(original))
         return self
 
     def __exit__(self, *exc):
-        torch.linalg.vector_norm, torch._foreach_norm = self.saved
+        for name, original in zip(self.names, self.saved):
+            self._set(name, original)
         return False
 
 
@@ -60,16 +77,16 @@ def _full_state(model) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def _clip_worker(rank, init_file, out_dir, shard):
+def _clip_worker(rank, init_file, out_dir, shard, precision, where):
     _init(rank, init_file, 60)
     import autofit
     from reference import bert, cls_batches
     seen, saved = {}, {}
     for name, faulty in (("clean", False), ("fault", rank == 1)):
         model = bert()
-        with _OomInNorm() if faulty else _nothing():
+        with _OomIn(where) if faulty else _nothing():
             result = autofit.run(model, cls_batches(2, rows=8), max_grad_norm=0.05, shard=shard,
-                                 optimizer=torch.optim.AdamW, precision="fp32", progress=False,
+                                 optimizer=torch.optim.AdamW, precision=precision, progress=False,
                                  cache=False, capacity_check=False)
         seen[name] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where] for a in result.attempts],
                       "norms": [h.get("grad_norm") for h in result.history]}
@@ -95,11 +112,14 @@ def _spawn(worker, tmp_path, *args):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "fsdp2"])
-def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shard):
-    """Nothing is applied when clipping runs out of memory: both ranks drop the attempt at the
-    clipping agreement and replay the global batch, ending as the fault-free run did."""
-    seen = _spawn(_clip_worker, tmp_path, shard)
+@pytest.mark.parametrize("shard,precision,where", [(False, "fp32", "norm"), (True, "fp32", "norm"),
+                                                   (True, "fp16", "unscale")],
+                         ids=["ddp", "fsdp2", "fsdp2-fp16-unscale"])
+def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shard, precision, where):
+    """Nothing is applied when clipping (or the grad scaler's unscale before it) runs out of memory:
+    both ranks drop the attempt at the clipping agreement and replay the global batch, ending as the
+    fault-free run did."""
+    seen = _spawn(_clip_worker, tmp_path, shard, precision, where)
     params = [torch.load(tmp_path / f"params{r}.pt", weights_only=True) for r in range(WORLD)]
     assert seen[0] == seen[1]  # the same attempts and norms on both ranks
     clean, fault = seen[1]["clean"], seen[1]["fault"]

@@ -44,12 +44,16 @@ def agreed_prestep(runner, target) -> None:
     max_norm = runner.max_grad_norm
     clip = max_norm is not None
     sharded = lock.sharded is not None
+    unscale = scaler is not None and (clip or sharded)  # else scaler.step unscales (no collective)
+    if not clip and not unscale:
+        return  # nothing before the update: no agreement needed
     params = [p for p in runner.model.parameters() if p.grad is not None]
-    failure, parts, found = None, (0.0, 0.0), []
+    failure, parts, found, infinite = None, (0.0, 0.0), [], False
     try:
-        if scaler is not None and (clip or sharded):  # else scaler.step unscales (no collective)
+        if unscale:
             with local_found_inf(found) if sharded else contextlib.nullcontext():
                 scaler.unscale_(target)
+            infinite = any(bool(t.item()) for t in found)
         if clip and not sharded:
             runner._clip(params)
         elif clip:
@@ -57,7 +61,6 @@ def agreed_prestep(runner, target) -> None:
                      _squared_norm([p.grad for p in params if not is_dtensor(p.grad)]))
     except Exception as error:
         failure = error
-    infinite = any(bool(t.item()) for t in found)
     verdict = lock.agree(CLIP, failure, value=parts[0], value2=parts[1], flag=infinite,
                          plan=lock.attempt_plan, host=runner.device.host)
     if verdict.any_flag():  # some rank's shard is not finite: every rank skips the update

@@ -173,7 +173,9 @@ def drop_attempt(model, units) -> None:
     attempt kept: FSDP2's `reset_iter_state` on each root, then what it leaves."""
     inner = {id(m) for u in units for m in u.modules() if m is not u}
     for unit in units:
-        if id(unit) not in inner:  # a root: the outermost units (the model when it is one)
+        # a root (the outermost units: the model when it is one) whose lazy init ran (the first
+        # forward: before it there is no iteration state, and the reset would fail on its absence)
+        if id(unit) not in inner and unit._get_fsdp_state()._is_root is not None:
             unit.reset_iter_state()
     for unit in units:
         for group in param_groups(unit):
