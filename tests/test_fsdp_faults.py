@@ -18,7 +18,7 @@ from spawn import spawn_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 WORLD = 2
-PROCESS_TIMEOUT = 240
+PROCESS_TIMEOUT = 600  # a hang guard: the walk took 294 s on 2 loaded shared cores
 SLOWEST_END = 15.0  # seconds per position; the process group's timeout is 20 s, so a hang shows
 # Faults in a training attempt (the loss's forward, the block's forward, backward, the optimizer
 # step) are replayed; before the first agreement (sharding) and non-OOM errors are announced.

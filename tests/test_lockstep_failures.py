@@ -20,14 +20,14 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")]
 
 
-def _init(rank, init_file, seconds):
+def _init(rank, init_file, seconds, world=WORLD):
     torch.set_num_threads(1)
     import logging
     import warnings
     warnings.filterwarnings("ignore")
     logging.getLogger("autofit").setLevel(logging.ERROR)
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=seconds))
 
 
@@ -105,11 +105,11 @@ class _nothing:
         return False
 
 
-def _spawn(worker, tmp_path, *args):
+def _spawn(worker, tmp_path, *args, world=WORLD):
     codes, killed = spawn_ranks(worker, lambda r: (r, str(tmp_path / "init"), str(tmp_path), *args),
-                                WORLD, PROCESS_TIMEOUT)
-    assert not killed and codes == [0] * WORLD, (codes, killed)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+                                world, PROCESS_TIMEOUT)
+    assert not killed and codes == [0] * world, (codes, killed)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.parametrize("shard,precision,where", [(False, "fp32", "norm"), (True, "fp32", "norm"),
@@ -135,17 +135,18 @@ def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shar
 STALL_S = 45.0
 
 
-def _stall_worker(rank, init_file, out_dir):
-    _init(rank, init_file, 10)
+def _stall_worker(rank, init_file, out_dir, world=WORLD, shard=True):
+    _init(rank, init_file, 10, world)
     import autofit
     from reference import bert, cls_batches
     model = bert()
     calls = []
-    if rank == 1:  # its first forward of block 1 stalls, as a hung data transform or device would
+    if rank == world - 1:  # its first training forward of block 1 stalls, as a hung device would
         model.bert.encoder.layer[1].register_forward_pre_hook(
-            lambda m, a: None if calls else (calls.append(1), time.sleep(STALL_S)))
-    seen = timed(lambda: autofit.run(model, cls_batches(2, rows=8), shard=True, optimizer=torch.optim.AdamW,
-                                     precision="fp32", progress=False, cache=False, capacity_check=False))
+            lambda m, a: None if calls or not torch.is_grad_enabled() else (calls.append(1), time.sleep(STALL_S)))
+    seen = timed(lambda: autofit.run(model, cls_batches(2, rows=4 * world), shard=shard,
+                                     optimizer=torch.optim.AdamW, precision="fp32", progress=False,
+                                     cache=False, capacity_check=False))
     seen.pop("value", None)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -167,6 +168,25 @@ def test_a_rank_stalled_in_forward_ends_every_rank_within_the_users_timeout_nami
     assert seen[1]["error"] == "RankFailed"
     assert seen[1]["message"] == f"rank 0 stopped the run: {stalled}; every rank " \
                                  f"stops, this is rank 1."
+    for s in seen:
+        assert 10.0 <= s["seconds"] < 40.0, seen
+
+
+def test_with_three_ranks_the_two_that_waited_name_the_stalled_one(tmp_path):
+    """Replicas (the agreement on the training group itself), 3 ranks, rank 2 stalled: ranks 0 and
+    1 both name rank 2, and rank 2 is stopped by their verdict."""
+    start = time.monotonic()
+    seen = _spawn(_stall_worker, tmp_path, 3, False, world=3)
+    assert time.monotonic() - start < STALL_S
+    stalled = ("rank 2 (it was last at global step 0, in forward/backward) did not reach the agreement "
+               "at global step 0, in forward/backward within the process group's timeout (10 s): it "
+               "stalled or died")
+    for r in (0, 1):
+        assert seen[r]["error"] == "RankFailed"
+        assert seen[r]["message"].startswith(f"{stalled}; every rank stops, this is rank {r}."), seen[r]
+    assert seen[2]["error"] == "RankFailed"
+    assert seen[2]["message"].endswith(f": {stalled}; every rank stops, this is rank 2."), seen[2]
+    assert seen[2]["message"].startswith(("rank 0 stopped the run", "rank 1 stopped the run")), seen[2]
     for s in seen:
         assert 10.0 <= s["seconds"] < 40.0, seen
 

@@ -157,6 +157,8 @@ class Agreement:
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world)]
+        presence = self._presence()
+        presence.waiting = True
         try:
             torch.distributed.all_gather(out, tensor, group=self.agreement_group)
         except Exception as error:
@@ -164,6 +166,8 @@ class Agreement:
             failed = error
         else:
             return out
+        finally:
+            presence.waiting = False
         raise self._unreached(failed)
 
     def _unreached(self, error: Exception) -> Exception:

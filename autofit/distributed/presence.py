@@ -37,6 +37,8 @@ class Presence:
         self.prefix = f"autofit/lockstep/{next(_RUNS)}/"
         self.entered = 0
         self.stopped = None  # the RankFailed this rank raises since another rank stopped
+        self.waiting = False  # inside an agreement's collective: it ends by itself (the timeout)
+        self.delivered = False  # `stopped` was raised in the main thread
         self._watch = None
         self._previous = None
 
@@ -58,6 +60,10 @@ class Presence:
     def enter(self, step: int, phase: int) -> None:
         """This rank is about to enter its next agreement, at `step` in `phase`."""
         self.entered += 1
+        self._set(f"at/{self.rank}", f"{self.entered} {step} {phase}")
+
+    def mark(self, step: int, phase: int) -> None:
+        """Where this rank is between agreements (an attempt under way), for the others' errors."""
         self._set(f"at/{self.rank}", f"{self.entered} {step} {phase}")
 
     def absent(self) -> list[tuple[int, str]]:
@@ -99,22 +105,27 @@ class Presence:
             return  # the user's own handler: never taken over
 
         def interrupted(signum, frame):
-            if self.stopped is not None:
+            if self.stopped is not None and not self.waiting and not self.delivered:
+                self.delivered = True
                 raise self.stopped
         self._previous = signal.signal(signal.SIGUSR1, interrupted)
         done = threading.Event()
         main = threading.main_thread().ident
 
         def run():
-            while not done.wait(POLL_S):
-                text = self._get("stopped")
-                if text is None:
-                    continue
-                rank, _, reason = text.partition("|")
-                if int(rank) != self.rank and self.stopped is None:
+            while not done.wait(POLL_S) and not self.delivered:
+                if self.stopped is None:
+                    text = self._get("stopped")
+                    if text is None:
+                        continue
+                    rank, _, reason = text.partition("|")
+                    if int(rank) == self.rank:
+                        return  # this rank stopped the run itself
                     self.stopped = make_error(int(rank), reason)
+                # A rank waiting in an agreement ends there by itself; any other is interrupted
+                # (again each poll, should the handler have run where its exception is ignored).
+                if not self.waiting:
                     signal.pthread_kill(main, signal.SIGUSR1)
-                return
         thread = threading.Thread(target=run, name="autofit-lockstep-watch", daemon=True)
         self._watch = (thread, done)
         thread.start()

@@ -79,6 +79,7 @@ class DistributedStepRunner(StepRunner):
         lock = self.lockstep
         failure, value, mask, at_risk = None, 0.0, None, False
         lock.attempt_plan, lock.attempt_agreed = plan, False
+        lock.presence.mark(lock.step, BACKWARD)  # a rank that stalls in it is named with where
         sharded = lock.sharded
         try:
             if sharded is not None:
