@@ -22,7 +22,10 @@ collective outside an agreement. A global step on each rank is:
    (which allocate nothing, so they cannot run out of memory half-way) and rank 0's buffers
    (BatchNorm statistics) are broadcast, as DDP does, before the optimizer step: after it, a
    scheduler or `zero_grad` that fails on one rank meets the others at their next agreement;
-4. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
+4. with clipping or the fp16 grad scaler (autofit.distributed.clipping): each rank's local part
+   (unscale, the norm of its gradients or shards), an agreement carrying its outcome and parts, then
+   the gradients scaled in place: an OOM there drops the attempt on every rank, nothing applied;
+5. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
    of memory on any rank, every rank restores its snapshot (taken on every rank when any rank's
    step was at risk) and the global batch is replayed.
 
@@ -35,8 +38,9 @@ escapes outside a step (data loading, evaluation, a cache, the scheduler) is rep
 the failing rank joins the next agreement with its error, and every run ends with a final
 agreement, so the others meet it there. The lockstep opens before anything else in `run` (before
 the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at different steps meet in different phases and
-all raise `LockstepError`. The process-group timeout is left as the last resort for a rank that dies
-outright (killed, or lost inside a collective).
+all raise `LockstepError`. A rank that stalls or dies outright is met by the process group's timeout
+(the agreement group keeps the user's): the others then name it and where it last was, and stop it
+if it still runs (autofit.distributed.presence).
 
 Data comes in one of two ways, told apart at the first agreement (each rank reports whether its
 loader has a `DistributedSampler` and a hash of its first batch):
