@@ -81,3 +81,33 @@ def test_the_module_level_internals_are_all_in_this_torch_and_a_missing_one_is_n
     with pytest.raises(RuntimeError, match=r"this torch .* lacks torch\.distributed\.ProcessGroup\._get_backend: "
                                            r"install torch 2\.13"):
         internals.refuse_missing()
+
+
+def test_the_scalers_check_on_shards_unscales_them_and_reports_found_inf_without_reducing_it(tmp_path):
+    """local_found_inf: GradScaler.unscale_ on DTensor gradients unscales each rank's shard in place
+    and leaves found-inf local (in `found`), for the clipping agreement to combine."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        outcomes = []
+        for last in (3.0, float("inf")):
+            param = torch.nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)], run_check=False))
+            param.grad = DTensor.from_local(torch.tensor([1024.0 * 0.5, 1024.0 * last]), mesh, [Shard(0)],
+                                            run_check=False)
+            optimizer = torch.optim.SGD([param], lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            scaler.scale(torch.ones(()))  # the scale is made lazily
+            found = []
+            with internals.local_found_inf(found):
+                scaler.unscale_(optimizer)
+            outcomes.append((param.grad.to_local().tolist(), [t.item() for t in found]))
+        assert outcomes == [([0.5, 3.0], [0.0]), ([0.5, float("inf")], [1.0])]
+        # handed back: DTensor's own handler again
+        op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+        assert DTensor._op_dispatcher._custom_op_handlers[op].__name__ == "found_inf_reduce_handler"
+    finally:
+        dist.destroy_process_group()

@@ -127,6 +127,7 @@ def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shar
     # A transient OOM: the same plan again (no verdict), so the same mathematics as the clean run.
     assert fault["attempts"] == [[0, 4, "oom", "optimizer.step"], [0, 4, "ok", ""], [1, 4, "ok", ""]]
     assert fault["norms"] == clean["norms"] and min(clean["norms"]) > 0.05  # it clipped
+    assert max(clean["norms"]) < 1.0  # unscaled first (fp16: a scaled gradient's norm is ~65536x)
     for p in params:
         assert max_diff(p["fault"], p["clean"]) == 0.0
     assert max_diff(params[0]["fault"], params[1]["fault"]) == 0.0
