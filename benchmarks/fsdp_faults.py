@@ -22,7 +22,12 @@ Rank 0 runs the same job with no fault. Each position must end on both ranks wit
 Anything else (another error, a slow end, a process killed by a signal) is FAILED. The process
 group's timeout is 20 s, so a hang shows as a slow position.
 
-    python benchmarks/fsdp_faults.py [--positions 60]
+    python benchmarks/fsdp_faults.py [--positions 60] [--most-calls 30] [--rich] [--replicas]
+
+`--rich`: the job is a token model with BatchNorm (its statistics broadcast from rank 0), a padded
+token loss through `loss_fn`, `max_grad_norm` and the fp16 grad scaler; a run that finishes with the
+clean run's splits must then end bit-identical to it. `--replicas`: the same job unsharded (the
+DDP twin of benchmarks/distributed_faults.py's job).
 """
 
 from __future__ import annotations
@@ -54,6 +59,47 @@ def _model():
     return BertForSequenceClassification(cfg)  # dropout on, buffers (position ids) present
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class _Rich(torch.nn.Module):
+    """A token model with BatchNorm (batch-coupled: its statistics broadcast from rank 0) and
+    repeated blocks in a ModuleList (what shard=True wraps), for the `--rich` job."""
+
+    def __init__(self, vocab=100, hidden=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.bn = torch.nn.Embedding(vocab, hidden), torch.nn.BatchNorm1d(hidden)
+        self.blocks = torch.nn.ModuleList([_Block(hidden) for _ in range(2)])
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids):
+        x = self.bn(self.embed(input_ids).transpose(1, 2)).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _rich_batches(n, rows=16, seq=12):
+    """Token batches whose labels are padded with -100 unevenly (row r keeps seq - r % seq tokens)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 100, (rows, seq), generator=g)
+        labels = ids.clone()
+        for r in range(rows):
+            labels[r, seq - r % seq:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
 def _batches(n, rows=16, seq=12):
     g = torch.Generator().manual_seed(1)
     return [{"input_ids": torch.randint(0, 100, (rows, seq), generator=g),
@@ -77,17 +123,23 @@ class _Fault:
             raise ValueError(f"injected at call {self.k} of {where}")
 
 
-def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
+def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3, rich=False, shard=True):
     """One run of the sharded job with `fault`'s places armed and, when given, allocation `fail_at`
-    failing. Returns (RunResult, allocations made)."""
+    failing. `rich`: the token model with BatchNorm, a padded token loss through loss_fn, gradient
+    clipping and the fp16 grad scaler; `shard=False`: replicas (the DDP twin). Returns (RunResult,
+    allocations made)."""
     import autofit
-    data, model = _batches(batches), _model()
-    block = model.bert.encoder.layer[1]
+    data, model = (_rich_batches(batches), _Rich()) if rich else (_batches(batches), _model())
+    block = model.blocks[1] if rich else model.bert.encoder.layer[1]
     block.register_forward_pre_hook(lambda m, a: fault("forward"))
     block.register_full_backward_pre_hook(lambda m, g: fault("backward"))
 
     def loss_fn(model, batch):
         fault("loss")
+        if rich:  # the mean over the batch's label tokens
+            logits = model(batch["input_ids"])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                                     ignore_index=-100)
         return model(**batch).loss
 
     class optimizer(torch.optim.AdamW):
@@ -108,9 +160,23 @@ def job(fault: _Fault, fail_at=None, *, budget="64MiB", batches=3):
         fault.gpu = gpu
         if fail_at is not None:
             gpu.fail_at(fail_at)
+        extra = {"max_grad_norm": 0.5, "precision": "fp16"} if rich else {"precision": "fp32"}
         result = autofit.run(model, data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
-                             precision="fp32", progress=False, cache=False, shard=True)
-        return result, gpu.allocation_count
+                             progress=False, cache=False, shard=shard, **extra)
+        count = gpu.allocation_count
+    result.digest = _digest(model)  # outside the fault: gathering the shards communicates
+    return result, count
+
+
+def _digest(model) -> str:
+    """A hash of the whole model's parameters and buffers (the same on every rank)."""
+    import hashlib
+    h = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        h.update(name.encode())
+        h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class _marking_collectives:
@@ -154,14 +220,15 @@ def _attempt(position, injected: bool, **options) -> dict:
     fault = _Fault(kind, n) if injected and kind != "alloc" else _Fault()
     try:
         result, _ = job(fault, n if injected and kind == "alloc" else None, **options)
-        row = {"outcome": "ok", "attempts": [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]}
+        row = {"outcome": "ok", "attempts": [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts],
+               "splits": [h["plan"].micro_batch_size for h in result.history], "digest": result.digest}
     except Exception as error:  # noqa: BLE001 - which error each rank got is the measurement
         row = {"outcome": type(error).__name__, "message": str(error)[:200]}
     row["seconds"] = time.monotonic() - start
     return row
 
 
-def _worker(rank, init_file, out_dir, positions, faulty=1):
+def _worker(rank, init_file, out_dir, positions, faulty=1, rich=False, shard=True):
     torch.set_num_threads(1)
     import logging
     import warnings
@@ -172,11 +239,13 @@ def _worker(rank, init_file, out_dir, positions, faulty=1):
                             timeout=timedelta(seconds=20))
     start = time.monotonic()
     fault = _Fault()
-    clean, count = job(fault)
+    clean, count = job(fault, rich=rich, shard=shard)
     out = {"clean_seconds": time.monotonic() - start, "allocations": count, "calls": fault.calls,
-           "clean": [(a.step, a.plan.micro_batch_size, a.outcome) for a in clean.attempts], "rows": []}
+           "clean": [(a.step, a.plan.micro_batch_size, a.outcome) for a in clean.attempts],
+           "clean_splits": [h["plan"].micro_batch_size for h in clean.history], "clean_digest": clean.digest,
+           "rows": []}
     for position in positions:
-        row = {"at": position, **_attempt(position, injected=rank == faulty)}
+        row = {"at": position, **_attempt(position, injected=rank == faulty, rich=rich, shard=shard)}
         out["rows"].append(row)
         print(f"rank {rank} {position}: {row['outcome']} {row['seconds']:.1f} s {row.get('message', '')[:90]}",
               file=sys.stderr, flush=True)
@@ -187,10 +256,10 @@ def _worker(rank, init_file, out_dir, positions, faulty=1):
     dist.destroy_process_group()
 
 
-def spawn(positions, limit_s=1800, faulty=1):
+def spawn(positions, limit_s=3600, faulty=1, rich=False, shard=True):
     out = tempfile.mkdtemp(prefix="autofit-fsdp-faults-")
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, os.path.join(out, "init"), out, positions, faulty))
+    procs = [ctx.Process(target=_worker, args=(r, os.path.join(out, "init"), out, positions, faulty, rich, shard))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -207,14 +276,19 @@ def spawn(positions, limit_s=1800, faulty=1):
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
 
 
-def classify(a: dict, b: dict, allowed: float) -> str:
+def classify(a: dict, b: dict, allowed: float, clean: dict | None = None) -> str:
     """recovered / unaffected / announced / FAILED for the healthy rank's row `a` and the faulty
-    rank's row `b`."""
+    rank's row `b`; with the `clean` run (a worker's output), a finished run whose final splits are
+    the clean run's must end bit-identical to it (the same parameters and buffers)."""
     slow = max(a["seconds"], b["seconds"]) > allowed
     injected = "OutOfMemoryError" if b["at"][0] == "alloc" else "ValueError"
     if slow:
         return "FAILED"
     if a["outcome"] == b["outcome"] == "ok" and a["attempts"] == b["attempts"]:
+        if a.get("digest") != b.get("digest"):
+            return "FAILED"  # the ranks' models differ
+        if clean is not None and b["splits"] == clean["clean_splits"] and b["digest"] != clean["clean_digest"]:
+            return "FAILED"  # the same splits as the clean run, another result
         return "recovered" if any(o == "oom" for *_, o in b["attempts"]) else "unaffected"
     if b["outcome"] == injected and a["outcome"] == "RankFailed":
         return "announced"
@@ -225,32 +299,41 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--positions", type=int, default=60, help="allocations sampled (evenly)")
     parser.add_argument("--faulty", type=int, default=1, choices=(0, 1), help="the rank that gets the faults")
+    parser.add_argument("--most-calls", type=int, default=MOST_CALLS,
+                        help="ValueError positions per place at most (evenly over its calls)")
+    parser.add_argument("--rich", action="store_true", help="the token model with BatchNorm, a padded "
+                        "token loss through loss_fn, clipping and the fp16 grad scaler")
+    parser.add_argument("--replicas", action="store_true", help="the same job unsharded (DDP-style replicas)")
     args = parser.parse_args(argv)
 
-    clean = spawn([])[args.faulty]  # how many allocations and calls a clean run makes on that rank
+    shard = not args.replicas
+    clean = spawn([], rich=args.rich, shard=shard)[args.faulty]  # how many allocations and calls a clean run makes on that rank
     total, calls = clean["allocations"], clean["calls"]
     step = max(total // args.positions, 1)
     positions = [("alloc", n) for n in range(0, total + step, step)]
     for where in ERRORS:
         ks = list(range(1, calls[where] + 2))
-        positions += [(where, k) for k in ks[::max(len(ks) // MOST_CALLS, 1)]]
-    r0, r1 = spawn(positions, faulty=args.faulty)
+        positions += [(where, k) for k in ks[::max(len(ks) // args.most_calls, 1)]]
+    r0, r1 = spawn(positions, faulty=args.faulty, rich=args.rich, shard=shard)
     if args.faulty == 0:
         r0, r1 = r1, r0  # r0: the healthy rank, r1: the faulty one
     allowed = max(r0["clean_seconds"], r1["clean_seconds"]) + LIMIT_S
-    verdicts, failures = {}, []
+    verdicts, failures, identical = {}, [], 0
     for a, b in zip(r0["rows"], r1["rows"]):
-        kind = classify(a, b, allowed)
+        kind = classify(a, b, allowed, r1)
         phase = "allocation" if b["at"][0] == "alloc" else f"ValueError in {b['at'][0]}"
         verdicts.setdefault(phase, {}).setdefault(kind, 0)
         verdicts[phase][kind] += 1
         if kind == "FAILED":
             failures.append((b["at"], a, b))
+        elif kind == "recovered" and b["splits"] == r1["clean_splits"]:
+            identical += 1  # classify checked: bit-identical to the clean run
     seconds = max(max(r["seconds"] for r in r0["rows"]), max(r["seconds"] for r in r1["rows"]))
     print(table(["allocations in a clean run", f"calls ({', '.join(ERRORS)})",
-                 "clean run (s)", "positions tried", "slowest end (s)"],
+                 "clean run (s)", "positions tried", "slowest end (s)",
+                 "recovered with the clean splits (all bit-identical)"],
                 [[r1["allocations"], ", ".join(str(r1["calls"][w]) for w in ERRORS),
-                  f"{r1['clean_seconds']:.2f}", len(r1["rows"]), f"{seconds:.2f}"]]))
+                  f"{r1['clean_seconds']:.2f}", len(r1["rows"]), f"{seconds:.2f}", identical]]))
     kinds = ["recovered", "unaffected", "announced", "FAILED"]
     print(table([f"fault on rank {args.faulty}"] + kinds, [[phase] + [v.get(k, 0) for k in kinds]
                                               for phase, v in verdicts.items()]))

@@ -83,7 +83,7 @@ def test_a_torch_whose_fsdp2_lacks_what_autofit_relies_on_is_refused_before_trai
     import torch.distributed as dist
     import autofit
     from autofit.distributed.fsdp import fsdp_units
-    from autofit.distributed.fsdp_internals import internals_missing
+    from autofit.distributed.internals import internals_missing
     from reference import bert, cls_batches
     from torch.distributed.fsdp import fully_shard
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)

@@ -297,5 +297,5 @@ def test_an_error_in_one_ranks_evaluation_ends_both_promptly(ranks):
     assert (r1["error"]["error"], r1["error"]["message"]) == ("ValueError", "rank 1 cannot evaluate this batch")
     assert r0["error"]["error"] == "RankFailed"
     assert r0["error"]["message"].startswith("rank 1 failed with ValueError: rank 1 cannot evaluate this "
-                                             "batch (in evaluation)")
+                                             "batch (at global step 0, in evaluation)")
     assert max(r0["error"]["seconds"], r1["error"]["seconds"]) < SLOWEST_ERROR_EXIT

@@ -10,15 +10,18 @@ import zlib
 
 import torch
 
+from autofit.distributed import internals
+from autofit.distributed.presence import Presence
 from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
 from autofit.gpu.oom import is_oom, summarize
 from autofit.plans.plan import Plan
 
 OK, OOM, ERROR = 0, 1, 2
-HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES = range(9)
+HELLO, START, DECIDE, BACKWARD, STEP, DONE, FAREWELL, EVALUATE, SHARES, CLIP, OPTIMIZER = range(11)
 PHASES = ("at the start of the run", "agreeing on the budget", "choosing the start plan",
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
-          "in evaluation", "counting the global batch")
+          "in evaluation", "counting the global batch", "clipping the gradients",
+          "trying the optimizer on shards")
 FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
@@ -33,6 +36,11 @@ def plan_hash(plan: Plan | None) -> int:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {summarize(error)}"
+
+
+def where(step: int, phase: int) -> str:
+    """'at global step 3, in forward/backward'."""
+    return f"at global step {step}, {PHASES[phase] if 0 <= phase < len(PHASES) else 'phase %d' % phase}"
 
 
 class Verdict:
@@ -93,8 +101,8 @@ class Verdict:
         if self.errors:
             r = self.errors[0]
             text = self.messages[r] if self.messages else "an error"
-            where = PHASES[int(self.headers[r]["phase"])]
-            raise RankFailed(f"rank {r} failed with {text} ({where}); every rank stops, "
+            at = where(int(self.headers[r]["step"]), int(self.headers[r]["phase"]))
+            raise RankFailed(f"rank {r} failed with {text} ({at}); every rank stops, "
                              f"this is rank {self.rank}. The error and its traceback are in rank {r}'s "
                              f"output.", rank=r, error=text)
         if self.mismatch is not None:
@@ -116,6 +124,7 @@ class Agreement:
     `world`, `group`, `step`, `model_hash`, `met` and `mask_size` (entries per header once met)."""
 
     settled = False  # the other ranks know how this rank's run ends: no farewell
+    _phase = HELLO   # the phase of the agreement under way (for the errors when it fails)
     _host = contextlib.nullcontext
 
     def _cpu_group(self, separate: bool = False):
@@ -132,23 +141,58 @@ class Agreement:
                              f"whole world.")
         # One per process, kept for later runs: creating a group is itself a collective, and a
         # second run's creation hung for good after rank 0 alone had run a sharded capacity check.
-        world = dist.distributed_c10d._world
-        kept = _SEPARATE.get(id(world.default_pg))
-        if kept is None or kept not in world.pg_map:  # none yet, or its world was destroyed
-            kept = _SEPARATE[id(world.default_pg)] = dist.new_group(backend="gloo")
+        # It waits as long as the user's own group does (new_group alone would wait 30 minutes).
+        key = internals.default_group_key()
+        kept = _SEPARATE.get(key)
+        if kept is None or not internals.group_alive(kept):  # none yet, or its world was destroyed
+            timeout = internals.group_timeout(dist.group.WORLD)
+            kept = _SEPARATE[key] = dist.new_group(backend="gloo", timeout=timeout)
         return kept
 
     # -- agreements ----------------------------------------------------------------------------
+    def _presence(self) -> Presence:
+        if self.__dict__.get("presence") is None:
+            self.presence = Presence(self.rank, self.world, where)
+        return self.presence
+
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world)]
+        presence = self._presence()
+        presence.waiting = True
         try:
             torch.distributed.all_gather(out, tensor, group=self.agreement_group)
         except Exception as error:
             self.settled = True  # the collective itself is broken: a farewell would wait for nothing
-            raise LockstepError(f"the agreement between ranks failed on rank {self.rank}: "
-                                f"{_describe(error)}; another rank has probably died or timed "
-                                f"out.") from error
-        return out
+            failed = error
+        else:
+            return out
+        finally:
+            presence.waiting = False
+        raise self._unreached(failed)
+
+    def _unreached(self, error: Exception) -> Exception:
+        """The error for an agreement whose collective failed: RankFailed naming the ranks that
+        never reached it (stalled or died) and where they last were, else LockstepError."""
+        presence = self._presence()
+        absent = presence.absent()
+        here = where(self.step, self._phase)
+        timeout = internals.group_timeout(self.agreement_group)
+        within = f" within the process group's timeout ({timeout.total_seconds():g} s)" if timeout else ""
+        if not absent:
+            presence.stop(f"rank {self.rank}'s agreement {here} failed ({_describe(error)})")
+            return LockstepError(f"the agreement between ranks failed on rank {self.rank} {here}: "
+                                 f"{_describe(error)}; another rank has probably died or timed out.")
+        names = "; ".join(f"rank {r} ({last})" for r, last in absent)
+        reason = f"{names} did not reach the agreement {here}{within}: it stalled or died"
+        presence.stop(reason)
+        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}. (The collective: "
+                            f"{_describe(error)})", rank=absent[0][0], error=reason)
+        failed.__cause__ = error
+        return failed
+
+    def _stopped(self, rank: int, reason: str) -> RankFailed:
+        return RankFailed(f"rank {rank} stopped the run: {reason}; every rank stops, this is rank "
+                          f"{self.rank}.", rank=rank, error=reason)
 
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
@@ -157,6 +201,12 @@ class Agreement:
         """One agreement. Call it outside any `except` block (an error raised here must not look
         like it was raised while handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
+        presence = self._presence()
+        if presence.stopped is not None:  # another rank ended the run: no one answers any more
+            self.settled = True
+            raise presence.stopped
+        self._phase = phase
+        presence.enter(self.step, phase)
         n = len(FIELDS)
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
@@ -202,12 +252,22 @@ class Agreement:
 
     @contextlib.contextmanager
     def scope(self):
-        """Around a run: an error that escapes without the others knowing is announced to them."""
+        """Around a run: an error that escapes without the others knowing is announced to them
+        (any BaseException: SystemExit and KeyboardInterrupt too); the presence watch runs inside
+        the outermost scope."""
+        presence = self._presence()
+        self._scopes = getattr(self, "_scopes", 0) + 1
+        if self._scopes == 1:
+            presence.watch(self._stopped)
         try:
             yield self
-        except Exception as error:
+        except BaseException as error:
             self.farewell(error)
             raise
+        finally:
+            self._scopes -= 1
+            if self._scopes == 0:
+                presence.close()
 
     def _global(self, group_rank: int) -> int:
         group = self.agreement_group

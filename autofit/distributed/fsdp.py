@@ -18,7 +18,8 @@ import weakref
 
 import torch
 
-from autofit.distributed.fsdp_internals import internals_missing
+from autofit.distributed import internals
+from autofit.distributed.internals import internals_missing
 
 _OWN = weakref.WeakSet()                 # models autofit sharded itself (shard=True)
 _USER = weakref.WeakKeyDictionary()      # model -> its own reshard_after_forward while a run holds it
@@ -116,18 +117,14 @@ def shard(model: torch.nn.Module, **options) -> torch.nn.Module:
     return model
 
 
-def _reshards(unit) -> bool:
-    return any(g.post_forward_mesh_info is not None for g in unit._get_fsdp_state()._fsdp_param_groups)
-
-
 def user_reshard_after_forward(model) -> bool:
     """The model's own reshard_after_forward (what it was sharded with, before any plan changed it):
     a block's, or the root's when it is the only unit."""
     if model in _USER:
         return _USER[model]
     units = fsdp_units(model)
-    blocks_ = [u for u in units if u is not model and u._get_fsdp_state()._fsdp_param_groups]
-    return any(_reshards(u) for u in (blocks_ or units))
+    blocks_ = [u for u in units if u is not model and internals.param_groups(u)]
+    return any(internals.reshards(u) for u in (blocks_ or units))
 
 
 def reshard_choices(model) -> tuple[bool, ...]:
@@ -173,13 +170,9 @@ class Sharded:
                 f"{f' and {len(missing) - 6} more' if len(missing) > 6 else ''}: install torch 2.13, "
                 f"or train this sharded model without autofit")
         self.guards = None  # fsdp_guard.Guards once `guard` is called (a lockstep's run)
-        self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_grads,
-                        g.all_reduce_grads)
-                       for u in self.units for g in u._get_fsdp_state()._fsdp_param_groups]
+        self._saved = [(g, internals.reduction(g)) for u in self.units for g in internals.param_groups(u)]
         # reshard_after_forward as the model has it, for plans that keep it and for close
-        self._reshard = [(u, u._get_fsdp_state()._auto_reshard_after_forward,
-                          [(g, g.post_forward_mesh_info) for g in u._get_fsdp_state()._fsdp_param_groups])
-                         for u in self.units]
+        self._reshard = [(u, internals.reshard_setting(u)) for u in self.units]
         self.own_reshard = user_reshard_after_forward(model)
         _USER[model] = self.own_reshard
         self.reduce_each = False  # the plan's: a reduce-scatter after every micro-batch
@@ -198,10 +191,7 @@ class Sharded:
         made where the model was sharded (host memory on CUDA; on a simulated GPU counted if that
         was inside it). Units with equal meshes share one in their parameters' specs, so the
         units' own meshes are read."""
-        meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for u in self.units
-                  for g in u._get_fsdp_state()._fsdp_param_groups}
-        maps = (getattr(mesh, "_rank_map", None) for mesh in meshes.values())  # `mesh` makes a new one
-        return [m for m in maps if isinstance(m, torch.Tensor)]
+        return internals.rank_maps(self.units)
 
     def arm(self, on: bool) -> None:
         """Guards on for a training attempt (never for evaluation or anything else)."""
@@ -220,17 +210,8 @@ class Sharded:
                     unit.set_reshard_after_forward(wanted, recurse=False)
 
     def _restore_reshard(self) -> None:
-        for unit, auto, groups in self._reshard:
-            state = unit._get_fsdp_state()
-            state._auto_reshard_after_forward = auto
-            # FSDP's lazy init (the root's first forward) stops a root on the automatic setting
-            # resharding after forward. The settings were read before it, so a root restored after
-            # it keeps what lazy init gave: else a rank whose lazy init ran in an attempt that
-            # another rank failed reshards its root in the replay and the others do not, and their
-            # backward gathers differ (gloo aborts on the mismatch).
-            lazy_root = auto and state._is_root
-            for group, info in groups:
-                group.post_forward_mesh_info = None if lazy_root else info
+        for unit, saved in self._reshard:
+            internals.set_reshard_setting(unit, saved)
 
     def sync(self, i: int, last: bool):
         """The context around micro-batch `i`'s forward and backward (StepRunner's `sync`): the
@@ -244,44 +225,18 @@ class Sharded:
     def abandon(self) -> None:
         """After a failed attempt: every unit back to sharded and idle, whatever phase the failure
         interrupted (FSDP itself expects each forward to finish: its state says where it stopped),
-        and nothing of the attempt's gathers or of its unsharded gradients kept."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        for unit in self.units:
-            state = unit._get_fsdp_state()
-            state._training_state = TrainingState.IDLE
-            state._comm_ctx.all_gather_state = None
-            state._state_ctx.iter_forward_root = None
-            state._state_ctx.post_backward_final_callback_queued = False
-            # The order units finished forward in, which FSDP's backward prefetch follows: the
-            # failed attempt's would differ between ranks (each stopped elsewhere) and make one
-            # rank gather a unit the others do not. Cleared, as FSDP's own reset_iter_state does.
-            for name in ("post_forward_order", "reduce_scatter_states"):  # made at FSDP's lazy init
-                getattr(state._comm_ctx, name, []).clear()
-            state._modules_to_run_forward.clear()
-            for group in state._fsdp_param_groups:
-                group._training_state = TrainingState.IDLE
-                group._all_gather_result = None
-                group._post_forward_indices.clear()
-                group.reshard()
-                for fp in group.fsdp_params:
-                    # A gather that failed in its copy-out left the parameters before the failure
-                    # unsharded (their storages allocated) while the group still says sharded, and
-                    # reshard() frees only a group it sees unsharded.
-                    fp.free_unsharded_param()
-                    # Gradients accumulated with sync off: not the replay's.
-                    fp.unsharded_accumulated_grad = None
-                    unsharded = getattr(fp, "_unsharded_param", None)
-                    if unsharded is not None:
-                        unsharded.grad = None
+        and nothing of the attempt's gathers or of its unsharded gradients kept. The order units
+        finished forward in, which FSDP's backward prefetch follows, is cleared too: the failed
+        attempt's would differ between ranks (each stopped elsewhere)."""
+        internals.drop_attempt(self.model, self.units)
 
     def close(self) -> None:
         if self.guards is not None:
             self.guards.remove()
         self._restore_reshard()
         _USER.pop(self.model, None)
-        for g, factor, force_sum, reduce, all_reduce in self._saved:
-            g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
-            g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+        for g, saved in self._saved:
+            internals.set_reduction(g, saved)
 
 
 class _Null:

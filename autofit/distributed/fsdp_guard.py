@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
+from autofit.distributed import internals
 from autofit.gpu.simulate import active_gpu
+
+AllGather, ReduceScatter = internals.comm_classes()
 
 # Which collective a rank is about to run, carried by its agreement: ranks that agree to go on but
 # are about to run different collectives (their FSDP states diverged) would abort in gloo or wait
@@ -82,25 +83,21 @@ class _AgreedReduceScatter(_Agreed, ReduceScatter):
     __call__ = _Agreed.__call__
 
 
-def _groups(unit):
-    return unit._get_fsdp_state()._fsdp_param_groups
-
-
 class Guards:
     def __init__(self, model, units, check):
         self.model, self.units, self.check = model, units, check
         self.armed = False   # only inside an attempt (training or evaluation)
         self.wrapped = []    # (param group, its all-gather comm, its reduce-scatter comm)
         for unit in units:
-            for group in _groups(unit):
-                gather, reduce = group._all_gather_comm, group._reduce_scatter_comm
+            for group in internals.param_groups(unit):
+                gather, reduce = internals.comms(group)
                 index = len(self.wrapped)
                 self.wrapped.append((group, gather, reduce))
-                group._all_gather_comm = _AgreedAllGather(gather, self, index)
-                group._reduce_scatter_comm = _AgreedReduceScatter(reduce, self, index)
+                internals.set_comms(group, _AgreedAllGather(gather, self, index),
+                                    _AgreedReduceScatter(reduce, self, index))
 
     def remove(self) -> None:
         """FSDP's own comms back (a user's custom one included)."""
         for group, gather, reduce in self.wrapped:
-            group._all_gather_comm, group._reduce_scatter_comm = gather, reduce
+            internals.set_comms(group, gather, reduce)
         self.wrapped = []

@@ -22,6 +22,9 @@ class Local:
     def hello(self, first, data, device, *, dataset: bool) -> None:
         pass
 
+    def check_optimizer(self, optimizer) -> None:
+        pass
+
     def epochs(self, epoch_batches):
         return epoch_batches
 

@@ -22,7 +22,10 @@ collective outside an agreement. A global step on each rank is:
    (which allocate nothing, so they cannot run out of memory half-way) and rank 0's buffers
    (BatchNorm statistics) are broadcast, as DDP does, before the optimizer step: after it, a
    scheduler or `zero_grad` that fails on one rank meets the others at their next agreement;
-4. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
+4. with clipping or the fp16 grad scaler (autofit.distributed.clipping): each rank's local part
+   (unscale, the norm of its gradients or shards), an agreement carrying its outcome and parts, then
+   the gradients scaled in place: an OOM there drops the attempt on every rank, nothing applied;
+5. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
    of memory on any rank, every rank restores its snapshot (taken on every rank when any rank's
    step was at risk) and the global batch is replayed.
 
@@ -35,8 +38,9 @@ escapes outside a step (data loading, evaluation, a cache, the scheduler) is rep
 the failing rank joins the next agreement with its error, and every run ends with a final
 agreement, so the others meet it there. The lockstep opens before anything else in `run` (before
 the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at different steps meet in different phases and
-all raise `LockstepError`. The process-group timeout is left as the last resort for a rank that dies
-outright (killed, or lost inside a collective).
+all raise `LockstepError`. A rank that stalls or dies outright is met by the process group's timeout
+(the agreement group keeps the user's): the others then name it and where it last was, and stop it
+if it still runs (autofit.distributed.presence).
 
 Data comes in one of two ways, told apart at the first agreement (each rank reports whether its
 loader has a `DistributedSampler` and a hash of its first batch):
@@ -93,11 +97,13 @@ import zlib
 
 import torch
 
-from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, SHARES, STEP, Agreement
+from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP, Agreement, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
+from autofit.distributed import internals
 from autofit.distributed.fsdp import Sharded, is_sharded
+from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
 from autofit.engine.batches import batch_size as rows_of
@@ -150,10 +156,12 @@ class Lockstep(Deciding, Agreement):
 
     def __init__(self, model, ddp=None, *, sharded: bool = False):
         dist = torch.distributed
+        internals.refuse_missing(sharded)  # before any agreement: a clear refusal, not a mid-step error
         self.group = ddp.process_group if ddp is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.agreement_group = self._cpu_group(separate=sharded)
+        self.presence = Presence(self.rank, self.world, where)  # names a rank that stalls or dies
         self.user_ddp = ddp
         self.module = ddp.module if ddp is not None else model
         if not isinstance(self.module, torch.nn.Module):  # run refuses it, inside the lockstep's scope
@@ -209,6 +217,22 @@ class Lockstep(Deciding, Agreement):
         self.replicas.broadcast_from_rank0()
         return self.module
 
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuse, on every rank before the first step, an optimizer that cannot step this model's
+        shards (autofit.distributed.shard_step: found by trying)."""
+        if self.sharded is None:
+            return
+        from autofit.distributed.shard_step import sharded_step_problem
+        failure = None
+        try:
+            with self._host():
+                problem = sharded_step_problem(optimizer, self.module)
+            if problem is not None:
+                failure = ValueError(problem)
+        except Exception as error:
+            failure = error
+        self.agree(OPTIMIZER, failure, host=self._host)
 
     def epochs(self, epoch_batches):
         """`epoch_batches` that first calls `sampler.set_epoch(k)` for the k-th epoch, as a plain

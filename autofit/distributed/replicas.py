@@ -10,13 +10,14 @@ import itertools
 
 import torch
 
+from autofit.distributed import internals
 from autofit.distributed.fsdp import is_dtensor
 
 
 class Replicas:
     def __init__(self, module, group, src: int, sync_buffers: bool):
         self.group, self.src, self.sync_buffers = group, src, sync_buffers
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = internals.ddp_ignored(module)
         self.buffers = [b for name, b in module.named_buffers() if name not in ignored]
         self.module = module
         self.refresh()

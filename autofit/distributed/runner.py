@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from autofit.distributed.agreement import BACKWARD
+from autofit.distributed.clipping import agreed_prestep
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
@@ -36,6 +37,11 @@ class DistributedStepRunner(StepRunner):
         super().abandon()
         if self.lockstep.sharded is not None:
             self.lockstep.sharded.abandon()
+
+    def _prestep(self, optimizer) -> None:
+        """Unscale and clip behind an agreement (autofit.distributed.clipping), offloaded or not:
+        both act on the device gradients before an offloaded step stages them."""
+        agreed_prestep(self, optimizer)
 
     def held(self) -> list:
         """Tensors training holds besides the model's and the optimizer's (the leak watch's
@@ -72,6 +78,7 @@ class DistributedStepRunner(StepRunner):
         lock = self.lockstep
         failure, value, mask, at_risk = None, 0.0, None, False
         lock.attempt_plan, lock.attempt_agreed = plan, False
+        lock.presence.mark(lock.step, BACKWARD)  # a rank that stalls in it is named with where
         sharded = lock.sharded
         try:
             if sharded is not None:

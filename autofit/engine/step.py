@@ -227,21 +227,17 @@ class StepRunner:
         `wrap(step) -> step` runs code around it inside the atomic step (the ranks' agreement)."""
         optimizer, offload = self.optimizer, self.offloaded
         self.grad_norm = None
+        # Before the atomic step: nothing is applied yet, so an OOM here is the attempt's own
+        # (the global batch is replayed; its gradients are made again).
+        self._phased(lambda: self._prestep(optimizer))()
 
         def update():
-            # Clipping is part of the step: an OOM in it rolls back with the update.
-            if self.max_grad_norm is not None:
-                self._clip(self.model.parameters())
             if self.scaler is not None:
                 self.scaler.step(optimizer)
             else:
                 optimizer.step()
 
         def step():
-            if self.scaler is not None and (self.max_grad_norm is not None or offload is not None):
-                # The norm of the true gradient, not the scaled one; under offload on the device,
-                # where the scaler looks for infinities.
-                self.scaler.unscale_(optimizer)
             if offload is None:
                 update()
             else:  # the user's optimizer, stepped once, on the host (offload.py)
@@ -264,6 +260,15 @@ class StepRunner:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _prestep(self, optimizer) -> None:
+        """What comes before the update and changes only the gradients, on the device: unscaling
+        (the norm of the true gradient, not the scaled one; under offload here, where the scaler
+        looks for infinities, before the gradients are staged to the host) and clipping."""
+        if self.scaler is not None and (self.max_grad_norm is not None or self.offloaded is not None):
+            self.scaler.unscale_(optimizer)
+        if self.max_grad_norm is not None:
+            self._clip(self.model.parameters())
 
     def _clip(self, params) -> None:
         """Clip the accumulated gradient of the whole global batch, as a plain loop would."""

@@ -122,6 +122,7 @@ class Training:
         sizes, precision = self.sizes, self.precision
         # The first agreement: how the data is given, rank 0's weights on every rank.
         lockstep.hello(first, data, device, dataset=batch_size is not None)
+        lockstep.check_optimizer(opt)  # one that cannot step FSDP2's shards: refused on every rank
         if batch_size is not None:
             lockstep.check_dataset(len(data), batch_size)
         lockstep.agree_budgets(device, tensor_budget)
