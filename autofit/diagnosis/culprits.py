@@ -166,24 +166,26 @@ def locate(objects: list, ignore: set, current_optimizer=None, skip_files=()) ->
                 refs[k].append(r)
         owners = _dict_owners([r for rs in refs.values() for r in rs
                                if type(r) is dict and id(r) not in modules])
+        closures = _closure_owners([r for rs in refs.values() for r in rs if isinstance(r, types.CellType)])
         still = []
         for i in open_:
             obj = current[i]
-            found = _step_up(obj, refs.get(id(obj), []), modules, stack, owners, holders[i], trail[i],
-                             current_optimizer)
+            found = _step_up(obj, refs.get(id(obj), []), modules, stack, owners, closures, holders[i],
+                             trail[i], current_optimizer)
             if found is None:
                 continue  # named, or nothing to climb to
             current[i] = found
             still.append(i)
         open_ = still
-        del level, refs, owners
+        del level, refs, owners, closures
     for i, h in enumerate(holders):
         h.outer = "".join(reversed(trail[i][1:]))  # trail[i][0] reaches the tensor itself
     del current, trail
     return holders
 
 
-def _step_up(obj, referrers, modules, stack, owners, holder: _Holder, trail: list, current_optimizer):
+def _step_up(obj, referrers, modules, stack, owners, closures, holder: _Holder, trail: list,
+             current_optimizer):
     """Name `obj` from its referrers, or return the container to climb to next (None: stop)."""
     for r in referrers:  # a module global names it best
         name = modules.get(id(r))
@@ -194,7 +196,7 @@ def _step_up(obj, referrers, modules, stack, owners, holder: _Holder, trail: lis
                 return None
     for r in referrers:  # a variable a closure captured
         if isinstance(r, types.CellType):
-            owner = _closure_owner(r)
+            owner = closures.get(id(r))
             if owner is not None:
                 fn, var = owner
                 holder.root = f"the variable `{var}` captured by {fn.__qualname__}()"
@@ -247,16 +249,26 @@ def _step_up(obj, referrers, modules, stack, owners, holder: _Holder, trail: lis
     return owner
 
 
-def _closure_owner(cell):
-    for f in gc.get_referrers(cell):
-        if isinstance(f, tuple):
-            for fn in gc.get_referrers(f):
-                if isinstance(fn, types.FunctionType) and fn.__closure__ is f:
-                    try:
-                        return fn, fn.__code__.co_freevars[f.index(cell)]
-                    except (ValueError, IndexError):
-                        return None
-    return None
+def _closure_owners(cells) -> dict:
+    """{id(cell): (function, the captured variable's name)} for those of `cells` a function's
+    closure holds: two heap searches for all the cells of a level (one per cell took seconds once
+    transformers is loaded)."""
+    if not cells:
+        return {}
+    wanted = {id(c) for c in cells}
+    tuples = [t for t in gc.get_referrers(*cells)
+              if isinstance(t, tuple) and any(id(c) in wanted for c in t)]
+    out = {}
+    if tuples:
+        by_id = {id(t): t for t in tuples}
+        for fn in gc.get_referrers(*tuples):
+            closure = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
+            if closure is not None and by_id.get(id(closure)) is closure:
+                for var, cell in zip(fn.__code__.co_freevars, closure):
+                    if id(cell) in wanted:
+                        out.setdefault(id(cell), (fn, var))
+    del tuples, wanted
+    return out
 
 
 def _dict_owners(dicts) -> dict:
