@@ -77,20 +77,35 @@ def _full_state(model) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def _clip_worker(rank, init_file, out_dir, shard, precision, where):
-    _init(rank, init_file, 60)
+CLIP_CASES = {"ddp": (False, "fp32", "norm"), "fsdp2": (True, "fp32", "norm"),
+              "fsdp2-fp16-unscale": (True, "fp16", "unscale")}
+
+
+def _clip_cases(rank, seen, saved):
+    """Every case of CLIP_CASES: a clean run, then the run with rank 1's first clipping failing."""
     import autofit
     from reference import bert, cls_batches
+    for case, (shard, precision, where) in CLIP_CASES.items():
+        for name, faulty in (("clean", False), ("fault", rank == 1)):
+            model = bert()
+            with _OomIn(where) if faulty else _nothing():
+                result = autofit.run(model, cls_batches(2, rows=8), max_grad_norm=0.05, shard=shard,
+                                     optimizer=torch.optim.AdamW, precision=precision, progress=False,
+                                     cache=False, capacity_check=False)
+            seen[f"{case} {name}"] = {
+                "attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where] for a in result.attempts],
+                "norms": [h.get("grad_norm") for h in result.history]}
+            saved[f"{case} {name}"] = _full_state(model)
+
+
+def _group_kept_worker(rank, init_file, out_dir):
+    """The failures after which the group stays usable, one after the other in one spawned pair:
+    the clipping OOMs, a SystemExit and a KeyboardInterrupt, the refused optimizer."""
+    _init(rank, init_file, 60)
     seen, saved = {}, {}
-    for name, faulty in (("clean", False), ("fault", rank == 1)):
-        model = bert()
-        with _OomIn(where) if faulty else _nothing():
-            result = autofit.run(model, cls_batches(2, rows=8), max_grad_norm=0.05, shard=shard,
-                                 optimizer=torch.optim.AdamW, precision=precision, progress=False,
-                                 cache=False, capacity_check=False)
-        seen[name] = {"attempts": [[a.step, a.plan.micro_batch_size, a.outcome, a.where] for a in result.attempts],
-                      "norms": [h.get("grad_norm") for h in result.history]}
-        saved[name] = _full_state(model)
+    _clip_cases(rank, seen, saved)
+    _interrupts(rank, seen)
+    _adafactor(rank, seen)
     torch.save(saved, os.path.join(out_dir, f"params{rank}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -112,25 +127,30 @@ def _spawn(worker, tmp_path, *args, world=WORLD):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("shard,precision,where", [(False, "fp32", "norm"), (True, "fp32", "norm"),
-                                                   (True, "fp16", "unscale")],
-                         ids=["ddp", "fsdp2", "fsdp2-fp16-unscale"])
-def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(tmp_path, shard, precision, where):
+@pytest.fixture(scope="module")
+def group_kept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("group_kept")
+    seen = _spawn(_group_kept_worker, out)
+    return seen, [torch.load(out / f"params{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_an_oom_in_clipping_on_one_rank_is_replayed_on_every_rank(group_kept, case):
     """Nothing is applied when clipping (or the grad scaler's unscale before it) runs out of memory:
     both ranks drop the attempt at the clipping agreement and replay the global batch, ending as the
     fault-free run did."""
-    seen = _spawn(_clip_worker, tmp_path, shard, precision, where)
-    params = [torch.load(tmp_path / f"params{r}.pt", weights_only=True) for r in range(WORLD)]
-    assert seen[0] == seen[1]  # the same attempts and norms on both ranks
-    clean, fault = seen[1]["clean"], seen[1]["fault"]
+    seen, params = group_kept
+    for name in ("clean", "fault"):  # the same attempts and norms on both ranks
+        assert seen[0][f"{case} {name}"] == seen[1][f"{case} {name}"]
+    clean, fault = seen[1][f"{case} clean"], seen[1][f"{case} fault"]
     assert clean["attempts"] == [[0, 4, "ok", ""], [1, 4, "ok", ""]]
     # A transient OOM: the same plan again (no verdict), so the same mathematics as the clean run.
     assert fault["attempts"] == [[0, 4, "oom", "optimizer.step"], [0, 4, "ok", ""], [1, 4, "ok", ""]]
     assert fault["norms"] == clean["norms"] and min(clean["norms"]) > 0.05  # it clipped
     assert max(clean["norms"]) < 1.0  # unscaled first (fp16: a scaled gradient's norm is ~65536x)
     for p in params:
-        assert max_diff(p["fault"], p["clean"]) == 0.0
-    assert max_diff(params[0]["fault"], params[1]["fault"]) == 0.0
+        assert max_diff(p[f"{case} fault"], p[f"{case} clean"]) == 0.0
+    assert max_diff(params[0][f"{case} fault"], params[1][f"{case} fault"]) == 0.0
 
 
 STALL_S = 45.0
@@ -192,11 +212,9 @@ def test_with_three_ranks_the_two_that_waited_name_the_stalled_one(tmp_path):
         assert 10.0 <= s["seconds"] < 40.0, seen
 
 
-def _interrupt_worker(rank, init_file, out_dir):
-    _init(rank, init_file, 60)
+def _interrupts(rank, seen):
     import autofit
     from reference import bert, cls_batches
-    seen = {}
     for kind in (SystemExit, KeyboardInterrupt):
         def loss_fn(model, batch, _calls=[]):
             _calls.append(1)
@@ -211,15 +229,12 @@ def _interrupt_worker(rank, init_file, out_dir):
         except BaseException as error:  # noqa: BLE001 - which error each rank got is the test
             seen[kind.__name__] = {"error": type(error).__name__, "message": str(error),
                                    "seconds": time.monotonic() - start}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.distributed.destroy_process_group()
 
 
-def test_a_system_exit_or_keyboard_interrupt_on_one_rank_is_announced_to_the_others(tmp_path):
+def test_a_system_exit_or_keyboard_interrupt_on_one_rank_is_announced_to_the_others(group_kept):
     """Not only Exceptions: the others learn of any BaseException at their next agreement and end
     with RankFailed naming it, while the rank itself propagates its own (the group stays usable)."""
-    seen = _spawn(_interrupt_worker, tmp_path)
+    seen = group_kept[0]
     for kind in ("SystemExit", "KeyboardInterrupt"):
         assert seen[1][kind]["error"] == kind
         assert seen[0][kind]["error"] == "RankFailed"
@@ -228,8 +243,7 @@ def test_a_system_exit_or_keyboard_interrupt_on_one_rank_is_announced_to_the_oth
         assert seen[0][kind]["seconds"] < 30.0
 
 
-def _adafactor_worker(rank, init_file, out_dir):
-    _init(rank, init_file, 60)
+def _adafactor(rank, seen):
     import autofit
     from reference import bert, cls_batches
     model = bert()
@@ -237,22 +251,19 @@ def _adafactor_worker(rank, init_file, out_dir):
     optimizer = lambda params: torch.optim.Adafactor(params, lr=0.01)  # noqa: E731
     losses = lambda m, b: steps.append(1) or m(**b).loss  # noqa: E731
     before = _full_state(model)
-    seen = timed(lambda: autofit.run(model, cls_batches(2, rows=8), loss_fn=losses, shard=True,
-                                     optimizer=optimizer, precision="fp32", progress=False, cache=False,
-                                     capacity_check=False))
-    seen.pop("value", None)
-    seen["forwards"] = len(steps)
-    seen["untouched"] = max_diff(before, _full_state(model)) == 0.0
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    torch.distributed.destroy_process_group()
+    refused = timed(lambda: autofit.run(model, cls_batches(2, rows=8), loss_fn=losses, shard=True,
+                                        optimizer=optimizer, precision="fp32", progress=False,
+                                        cache=False, capacity_check=False))
+    refused.pop("value", None)
+    refused["forwards"] = len(steps)
+    refused["untouched"] = max_diff(before, _full_state(model)) == 0.0
+    seen["adafactor"] = refused
 
 
-def test_an_optimizer_that_cannot_step_shards_is_refused_on_every_rank_before_training(tmp_path):
+def test_an_optimizer_that_cannot_step_shards_is_refused_on_every_rank_before_training(group_kept):
     """torch.optim.Adafactor raises on FSDP2's DTensors at its first step: found by a trial step on
     a tiny sharded parameter, refused on both ranks before any forward, naming it and torch's reason."""
-    seen = _spawn(_adafactor_worker, tmp_path)
-    for s in seen:
+    for s in (r["adafactor"] for r in group_kept[0]):
         assert s["error"] == "ValueError", s
         assert s["message"].startswith("torch.optim.Adafactor cannot step FSDP2's sharded parameters "
                                        "(DTensors): a step on a tiny sharded parameter ("), s
