@@ -242,6 +242,33 @@ def _worker(rank_, init_file, out_dir):
     seen["user_true"] = {"choices": list(reshard_choices(model)), "refused": not_applicable(
         Plan(8, reshard_after_forward=False), model, opt, CpuDevice())}
 
+    # 4. Optimizer offload of a sharded model's optimizer (the ladder's last rung under FSDP2): an
+    # OOM on rank 1 at the first step offloads on both ranks; the StepLR acts on every update and
+    # the run equals the unoffloaded one with the same splits, optimizer state included.
+    from autofit.plans.ladder import offload_optimizer
+    for name, fault in (("device", False), ("offloaded", rank_ == 1)):
+        with autofit.simulate_gpu() as gpu:
+            model, calls = bert(hidden=64), []
+
+            def loss_fn(model, batch, gpu=gpu, fault=fault, calls=calls):
+                if fault and not calls:  # the first forward's next allocation fails
+                    gpu.fail_at(gpu.allocation_count)
+                calls.append(1)
+                return model(**batch).loss
+            result = run(model, batches, shard=True, capacity_check=False, ladder=offload_optimizer(),
+                         loss_fn=loss_fn,
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
+            opt = result.optimizer
+            seen[name] = {"attempts": [[a.step, a.plan.offload_optimizer, a.outcome] for a in result.attempts],
+                          "lr": [g["lr"] for g in opt.param_groups],
+                          "state": sorted({k for s in opt.state.values() for k in s}),
+                          "on_device": sum(gpu.holds(v) for s in opt.state.values() for v in s.values()
+                                           if torch.is_tensor(v) and v.dim() > 0)}
+            saved[name] = _full(model)
+            saved[name + " state"] = {f"{i} {k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
+                                      for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+
     save_rank(out_dir, rank_, seen, saved)
     dist.destroy_process_group()
 
@@ -287,6 +314,15 @@ def test_fsdp_moves_on_two_ranks(ranks):
     assert all(e.startswith("out of memory on another rank (rank 1") for e in r0["budgets"]["errors"])
     assert all(e.startswith("CUDA out of memory") for e in r1["budgets"]["errors"])  # its own
     # the same mathematics: every setting, on both ranks, equals one process with the same splits
+    for seen in (r0, r1):
+        assert seen["device"]["attempts"] == [[0, False, "ok"], [1, False, "ok"]]
+        assert seen["offloaded"]["attempts"] == [[0, False, "oom"], [0, True, "ok"], [1, True, "ok"]]
+        assert seen["offloaded"]["lr"] == seen["device"]["lr"] == [2.5e-3]  # two StepLR steps
+        assert seen["offloaded"]["state"] == ["exp_avg", "exp_avg_sq", "step"]
+        assert seen["offloaded"]["on_device"] == 0  # handed back with its state on the host
+    for p in (p0, p1):
+        assert max_diff(p["offloaded"], p["device"]) == 0.0
+        assert max_diff(p["offloaded state"], p["device state"]) == 0.0
     for name, data in (("budgets", cls_batches(2, rows=4 * PER_RANK, seed=4)),
                        ("roomy", cls_batches(2, rows=2 * PER_RANK, seed=4)),
                        ("tight", cls_batches(2, rows=2 * PER_RANK, seed=4))):

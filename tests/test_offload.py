@@ -21,12 +21,14 @@ STEPS = 5
 
 
 class Net(torch.nn.Module):
-    """Two trained layers and one frozen at first (for add_param_group)."""
+    """Two trained layers and one frozen at first (for add_param_group); `bias=False` for Muon,
+    which steps 2-D parameters only."""
 
-    def __init__(self):
+    def __init__(self, bias=True):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.extra = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3), torch.nn.Linear(6, 3)
+        self.a, self.b = torch.nn.Linear(6, 8, bias=bias), torch.nn.Linear(8, 3, bias=bias)
+        self.extra = torch.nn.Linear(6, 3, bias=bias)
         self.extra.requires_grad_(False)
 
     def forward(self, x):
@@ -81,6 +83,13 @@ class ClipSGD(torch.optim.SGD):
         return super().step()
 
 
+def _hf_adafactor(params):
+    from transformers.optimization import Adafactor
+    return Adafactor(params, lr=0.01, scale_parameter=False, relative_step=False)
+
+
+# Every torch.optim optimizer but LBFGS (its step needs a closure: refused, tests/test_same_math.py),
+# transformers' Adafactor and a subclass with its own argument.
 OPTIMIZERS = {  # name: factory params -> optimizer
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "Adam": lambda p: torch.optim.Adam(p, lr=0.01),
@@ -95,6 +104,8 @@ OPTIMIZERS = {  # name: factory params -> optimizer
     "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01),
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
     "SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=0.01),
+    "Muon": lambda p: torch.optim.Muon(p, lr=0.01),
+    "hf-Adafactor": _hf_adafactor,
     "ClipSGD": lambda p: ClipSGD(p, lr=0.1, max_norm=0.05),
 }
 
@@ -175,7 +186,7 @@ MUTATIONS = {"checkpoint": Checkpoint, "add_param_group": lambda: add_group, "cl
 # -- the two loops -----------------------------------------------------------------------------
 
 def _build(optimizer, scheduler):
-    model = SparseNet() if optimizer == "SparseAdam" else Net()
+    model = SparseNet() if optimizer == "SparseAdam" else Net(bias=optimizer != "Muon")
     opt = OPTIMIZERS[optimizer](model.trained())
     factory = SCHEDULERS[scheduler]
     return model, opt, None if factory is None else factory(opt)
