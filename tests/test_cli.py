@@ -309,20 +309,24 @@ def test_probe_bert_base_on_2gib(capsys):
     assert got["plan"]["offload_optimizer"] is True
     assert got["breakdown"]["params"] >= 109483778 * 4
     assert got["breakdown"]["optimizer"] == 0
+    # AdamW's two moments, shaped as the gradients (fp32 under bf16 autocast too), on the host
+    assert got["host_optimizer_bytes"] == 2 * got["breakdown"]["grads"]
     assert all(r["offload_optimizer"] for r in got["table"])
 
 
 MiB = 2**20
 
 
-def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib):
+def candidate(micro, accum, precision, peak_mib, fits, cost, activations_mib, offload=False):
     from autofit.estimator.capacity import Candidate
     from autofit.estimator.estimate import MemoryEstimate
-    plan = Plan(micro, accum, precision)
-    breakdown = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
-                 "activations": activations_mib * MiB, "other": (peak_mib - 400 - activations_mib) * MiB}
-    return Candidate(plan, MemoryEstimate(plan, peak_mib * MiB, breakdown, reserved_bytes=(peak_mib + 20) * MiB),
-                     fits, cost)
+    plan = Plan(micro, accum, precision, offload_optimizer=offload)
+    state = 0 if offload else 200 * MiB  # an offloaded plan's state is host memory
+    breakdown = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": state,
+                 "activations": activations_mib * MiB, "other": (peak_mib - 200 - state // MiB - activations_mib) * MiB}
+    resident = {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB}
+    return Candidate(plan, MemoryEstimate(plan, peak_mib * MiB, breakdown, reserved_bytes=(peak_mib + 20) * MiB,
+                                          resident=resident), fits, cost)
 
 
 def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
@@ -368,6 +372,18 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     assert got["breakdown"] == {"params": 100 * MiB, "grads": 100 * MiB, "optimizer": 200 * MiB,
                                 "activations": 290 * MiB, "other": 10 * MiB}
     assert [r["cost"] for r in got["table"]] == [1.0, 1.0303, 1.2545]
+    assert got["host_optimizer_bytes"] is None  # the state stays on the device
+    # An offloaded plan says where its optimizer state went.
+    ranked[:] = [candidate(8, 4, "bf16", 300, True, 1.5, 96, offload=True)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-4:-1] == [
+        "chosen plan: micro 8 x 4, bf16, offload",
+        "predicted peak: 300.00 MiB of a 824.00 MiB budget (params 100.00 MiB, grads 100.00 MiB, "
+        "optimizer 0 bytes, activations 96.00 MiB, other 4.00 MiB)",
+        "offloaded: 200.00 MiB of optimizer state in host memory, where the optimizer steps (none of it "
+        "on the device)"]
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_optimizer_bytes"] == 200 * MiB
 
 
 @pytest.mark.slow

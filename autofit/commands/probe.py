@@ -58,7 +58,8 @@ def cmd_probe(args) -> int:
         reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
                   f"({format_size(reserve)}); nothing is left for tensors.")
         result = {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                  "predicted_reserved_bytes": None, "table": [], "breakdown": None, "reason": reason}
+                  "predicted_reserved_bytes": None, "table": [], "breakdown": None,
+                  "host_optimizer_bytes": None, "reason": reason}
         return _probe_report(args, result, None)
 
     from autofit.estimator import capacity
@@ -72,7 +73,7 @@ def cmd_probe(args) -> int:
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
         return _cannot_estimate(args, {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
                                        "predicted_reserved_bytes": None, "table": [], "breakdown": None,
-                                       "reason": reason})
+                                       "host_optimizer_bytes": None, "reason": reason})
     chosen = capacity.choose(candidates)
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
                                                   default=None)
@@ -85,11 +86,20 @@ def cmd_probe(args) -> int:
               "table": [_plan_row(c, chosen) for c in candidates],
               "breakdown": None if shown is None else {k: int(v) for k, v in
                                                       shown.estimate.breakdown.items()},
+              "host_optimizer_bytes": _host_state(shown),
               "reason": reason}
     code = _probe_report(args, result, shown)
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+def _host_state(shown) -> int | None:
+    """Bytes of optimizer state an offloaded plan keeps in host memory (its step runs there, so the
+    device breakdown shows none of it); None for a plan that keeps the state on the device."""
+    if shown is None or not shown.plan.offload_optimizer:
+        return None
+    return int(shown.estimate.resident.get("optimizer", 0))
 
 
 def _cannot_estimate(args, result: dict) -> int:
@@ -136,6 +146,9 @@ def _probe_report(args, result: dict, shown) -> int:
         if not result["fits"]:
             out(f"smallest plan: {shown.plan.describe()}")
         out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
+        if result["host_optimizer_bytes"] is not None:
+            out(f"offloaded: {format_size(result['host_optimizer_bytes'])} of optimizer state in host "
+                f"memory, where the optimizer steps (none of it on the device)")
         reserved = result["predicted_reserved_bytes"]
         out(f"predicted reserved peak: {format_size(reserved)} of {format_size(result['usable_bytes'])} "
             f"usable ({format_size(reserved - result['predicted_peak_bytes'])} of segments and cached "
