@@ -544,7 +544,7 @@ def _data():
 
 
 @pytest.mark.slow
-def test_the_ladders_end_is_the_end():
+def test_the_ladders_end_is_the_end(frozen_heap):
     """99 moves of one row each: 70 failures before 30 rows fit, all walked (no hidden cap)."""
     import autofit
     result = autofit.run(torch.nn.Linear(2, 1), _data(), loss_fn=_rows_over(30), precision="fp32", progress=False,

@@ -155,7 +155,7 @@ def _allocation_marks(model, batches):
 
 
 @pytest.mark.slow
-def test_an_oom_at_every_allocation_is_survived_with_the_same_result():
+def test_an_oom_at_every_allocation_is_survived_with_the_same_result(frozen_heap):
     """Every allocation of the first global step (forward, backward, the AdamW step that creates
     the state) and of the second step's AdamW update: the run replays and ends bit-identical."""
     batches = cls_batches(2, rows=4, seq=6, vocab=50)
