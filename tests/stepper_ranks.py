@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 
 import autofit
+from reference import device_copy
 
 GLOBAL, WORLD, MAX_NORM = 8, 2, 0.15
 
@@ -65,9 +66,11 @@ def worker(rank, init_file, out_dir, offload=False):
     torch.distributed.destroy_process_group()
 
 
-def split_loop(micro_sizes, scheduler=None):
+def split_loop(micro_sizes, scheduler=None, copied=False):
     """One process doing what the ranks do: each rank's rows accumulated on their own in micro-batches
-    weighted by their share of the global batch, the ranks' gradients summed, then clipped."""
+    weighted by their share of the global batch, the ranks' gradients summed, then clipped.
+    `copied`: each micro-batch a device copy (reference.device_copy), as the simulated GPU's ranks
+    get theirs; else views of the batch, as the ranks on the CPU device get theirs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run: the same kernels reduce in the same order
     try:
@@ -82,6 +85,7 @@ def split_loop(micro_sizes, scheduler=None):
             for start in range(0, GLOBAL, local):
                 for i in range(start, start + local, micro):
                     part = tuple(t[i:min(i + micro, start + local)] for t in batch)
+                    part = device_copy(part) if copied else part
                     (loss_fn(net, part) * (len(part[0]) / GLOBAL)).backward()
                 grads = [p.grad for p in params]
                 summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]

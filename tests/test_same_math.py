@@ -240,6 +240,37 @@ def mlp_batches(n=3, rows=8):
             for _ in range(n)]
 
 
+def test_odd_splits_on_the_simulated_gpu_equal_a_plain_loop_fed_device_copies():
+    """Micro-batches of 3 and 5 rows of 6 floats start at row offsets that are not multiples of 16
+    bytes; the simulated GPU copies each micro-batch (as `.to("cuda")` does), so the plain loop that
+    checks it bit for bit feeds copies too (reference.device_copy): equal to the last bit. (Fed views,
+    this CPU's gemm for Linear(6, 16) on 3 rows differs in the last ulp: a plain loop on the device
+    gets copies, so copies are the reference.)"""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"].float())
+
+    def oom_once(model, batch, fired=[]):
+        if len(batch["x"]) == 8 and not fired:  # the first whole-batch attempt
+            fired.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. (test)")
+        return loss(model, batch)
+
+    def three_first(plan):
+        return plan.with_micro_batch(3, 8) if plan.micro_batch_size > 3 else None
+    model, data = net(), mlp_batches()  # host batches: the simulated GPU copies each micro-batch
+    with autofit.simulate_gpu():
+        result = autofit.run(model, data, loss_fn=oom_once, optimizer=sgd, precision="fp32",
+                             progress=False, cache=False, capacity_check=False, ladder=three_first)
+    assert splits(result) == [3, 5, 6]  # the upward probe after the first step
+    reference = net()
+    plain_loop_fn(reference, mlp_batches(), splits(result), loss, sgd(reference.parameters()))
+    assert_same(model, reference)
+
+
 class CountingClipSGD(torch.optim.SGD):
     """A subclass people write: its own constructor argument and a step counter in param_groups."""
 

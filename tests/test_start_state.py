@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import autofit
+from reference import device_copy
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")
 
@@ -104,7 +105,8 @@ def test_frozen_parameters_an_ema_and_a_generator_are_restored_for_the_replay():
     for batch, micro in zip(batches(), splits):
         x, y = batch
         for i in range(0, len(x), micro):
-            (loss_fn(reference, (x[i:i + micro], y[i:i + micro])) * (len(x[i:i + micro]) / len(x))).backward()
+            part = device_copy((x[i:i + micro], y[i:i + micro]))  # as the simulated GPU copies it
+            (loss_fn(reference, part) * (len(part[0]) / len(x))).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     assert_same(state(model), state(reference))
@@ -163,7 +165,8 @@ def test_entry_gradients_are_kept_and_a_failed_backward_leaves_nothing_outside_t
     for z, micro in zip(gan_batches(), splits):
         (0.01 * gen_r.net.weight.square().sum()).backward()
         for i in range(0, len(z), micro):
-            (-disc_r(gen_r(z[i:i + micro])).mean() * (len(z[i:i + micro]) / len(z))).backward()
+            part = z[i:i + micro].clone()  # as the simulated GPU copies it (reference.device_copy)
+            (-disc_r(gen_r(part)).mean() * (len(part) / len(z))).backward()
         opt_r.step()
         opt_r.zero_grad(set_to_none=True)
     assert_same(after["gen"], state(gen_r))

@@ -281,7 +281,7 @@ def test_the_stepper_under_ddp_offloads_the_users_optimizer_on_every_rank_with_i
     assert seen[0]["attempts"] == [[0, 4, False, "oom"], [0, 4, True, "ok"], [1, 4, True, "ok"]]
     assert seen[0]["state"] == 4
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    expected, norms = stepper_ranks.split_loop([4, 4], scheduler=stepper_ranks.decay)
+    expected, norms = stepper_ranks.split_loop([4, 4], scheduler=stepper_ranks.decay, copied=True)
     assert seen[0]["norms"] == norms
     for state in states:
         assert all(torch.equal(state[k], expected[k]) for k in expected)

@@ -9,7 +9,7 @@ import torch
 import autofit
 from autofit.gpu.device import CpuDevice
 from autofit.engine.token_loss import forward_takes_items, loss_fn_takes_items, loss_weighting, unwrap
-from reference import gpt2, lm_batches, max_diff, plain_loop
+from reference import device_copy, gpt2, lm_batches, max_diff, plain_loop
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 THREE = lambda p: p.replace(micro_batch_size=3) if p.micro_batch_size > 3 else None  # noqa: E731
@@ -120,7 +120,7 @@ def test_a_sum_adds_its_micro_losses_and_a_mean_weighs_rows(reduction, caplog):
     opt = sgd(reference.parameters())
     for batch, micro in zip(regression_batches(), splits):
         for i in range(0, 8, micro):
-            part = {k: v[i:i + micro] for k, v in batch.items()}
+            part = device_copy({k: v[i:i + micro] for k, v in batch.items()})  # as the simulated GPU
             weight = 1.0 if reduction == "sum" else len(part["y"]) / 8
             (loss_fn(reference, part) * weight).backward()
         opt.step()

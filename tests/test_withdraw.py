@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autofit
+from reference import device_copy
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")
 
@@ -65,7 +66,7 @@ def test_bf16_without_a_kernel_is_withdrawn_and_the_run_goes_on():
     for batch, h in zip(batches(), result.history):
         micro = h["plan"].micro_batch_size
         for i in range(0, 8, micro):
-            part = {k: v[i:i + micro] for k, v in batch.items()}
+            part = device_copy({k: v[i:i + micro] for k, v in batch.items()})  # as the simulated GPU
             (loss_fn(reference, part) * (len(part["y"]) / 8)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
