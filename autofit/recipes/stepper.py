@@ -126,8 +126,9 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
 
     `optimizer`: an instance or a factory params -> Optimizer (None: AdamW). `scheduler`: an
     instance built on that optimizer, or a factory optimizer -> scheduler; stepped once per global
-    batch, never for a failed attempt. `loss_fn`, `budget`, `precision`, `ladder`, `cache` mean what
-    they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
+    batch, never for a failed attempt; Accelerate's prepared optimizer and scheduler are taken as they
+    are (autofit.integrations.accelerate unwraps them). `loss_fn`, `budget`, `precision`, `ladder`,
+    `cache` mean what they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
     `allow_split=False` never splits a global batch into micro-batches (what a model with
     batch-coupled layers may need), as for `autofit.run`; a resumed plan that splits is made whole.
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls

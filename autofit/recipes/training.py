@@ -35,6 +35,7 @@ from autofit.engine.inputs import build_optimizer, build_scheduler, check_traini
 from autofit.engine.offload import to_host
 from autofit.plans.ladder import SizeLog, as_move, sharded as sharded_ladder
 from autofit.diagnosis.leaks import LeakWatch
+from autofit.integrations import accelerate
 from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
 from autofit.plans import precision as precisions
@@ -55,6 +56,7 @@ class Training:
                  capacity_check=True, allow_split=True, shard=False):
         check_training_options(model=model, precision=precision, loss_fn=loss_fn,
                                max_grad_norm=max_grad_norm)
+        optimizer, scheduler = accelerate.unwrap(optimizer, scheduler)  # what accelerator.prepare returned
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False but got {shard!r}.")
         if shard and isinstance(optimizer, torch.optim.Optimizer):
