@@ -140,7 +140,7 @@ KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",
                "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_reserve_bytes",
                "usable_bytes", "fits", "plan", "predicted_peak_bytes", "predicted_reserved_bytes", "table",
-               "breakdown", "reason"]
+               "breakdown", "host_optimizer_bytes", "reason"]
 
 
 def test_probe_json_fits(capsys):
@@ -157,6 +157,7 @@ def test_probe_json_fits(capsys):
                                                                      "BertForSequenceClassification", 168258)
     assert (got["batch_size"], got["seq_len"], got["precision"]) == (8, 16, "auto")
     assert got["fits"] is True and got["reason"] is None
+    assert got["host_optimizer_bytes"] is None  # the chosen plan keeps its state on the device
     assert list(got["plan"]) == PLAN_FIELDS
     assert Plan.from_dict(got["plan"]).global_batch >= 8
     rows = got["table"]
