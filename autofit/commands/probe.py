@@ -57,10 +57,7 @@ def cmd_probe(args) -> int:
     if budget <= 0:
         reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
                   f"({format_size(reserve)}); nothing is left for tensors.")
-        result = {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                  "predicted_reserved_bytes": None, "table": [], "breakdown": None,
-                  "host_optimizer_bytes": None, "reason": reason}
-        return _probe_report(args, result, None)
+        return _probe_report(args, _no_plan(header, reason), None)
 
     from autofit.estimator import capacity
     try:
@@ -71,9 +68,7 @@ def cmd_probe(args) -> int:
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
-        return _cannot_estimate(args, {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
-                                       "predicted_reserved_bytes": None, "table": [], "breakdown": None,
-                                       "host_optimizer_bytes": None, "reason": reason})
+        return _cannot_estimate(args, _no_plan(header, reason))
     chosen = capacity.choose(candidates)
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
                                                   default=None)
@@ -92,6 +87,13 @@ def cmd_probe(args) -> int:
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+def _no_plan(header: dict, reason: str) -> dict:
+    """The probe's result when nothing was estimated: every field of a result, empty."""
+    return {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
+            "predicted_reserved_bytes": None, "table": [], "breakdown": None,
+            "host_optimizer_bytes": None, "reason": reason}
 
 
 def _host_state(shown) -> int | None:

@@ -45,7 +45,6 @@ from autofit.diagnosis.graphs import _key, _nbytes, graph_bytes
 from autofit.diagnosis.leak_kinds import FIX_BATCH, FIX_GROWTH, culprit_text, fix_for, shape_of
 from autofit.diagnosis.on_device import batch_on_device, device_fields, on_device_predicate
 from autofit.gpu.memory import by_kind, storage_bytes, storage_key
-from autofit.gpu.simulate import inner_tensors
 from autofit.sizes import format_size
 
 log = logging.getLogger("autofit.diagnosis.leaks")
@@ -200,9 +199,7 @@ class LeakWatch:
         if batch is not None:
             tensors += [t for _, t in _fields(batch) if isinstance(t, torch.Tensor)]
         tensors += self._runner_held()
-        # A DTensor (a sharded parameter, its gradient, its state) and the local shard the heap
-        # search finds both count as training's own.
-        keys = {_key(t) for t in tensors} | {_key(t) for t in inner_tensors(tensors)}
+        keys = {_key(t) for t in tensors}
         keys |= {k for k, r in self._data_storages.items() if r() is not None}
         return keys
 
