@@ -248,7 +248,7 @@ def _worker(rank_, init_file, out_dir):
     from autofit.plans.ladder import offload_optimizer
     for name, fault in (("device", False), ("offloaded", rank_ == 1)):
         with autofit.simulate_gpu() as gpu:
-            model, calls = bert(hidden=64), []
+            model, calls = bert(hidden=64, dropout=0.1), []  # dropout: the replay redraws the same masks
 
             def loss_fn(model, batch, gpu=gpu, fault=fault, calls=calls):
                 if fault and not calls:  # the first forward's next allocation fails
