@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch
+from autofit.engine.kept import loss_and_kept
 from autofit.gpu.device import _map_tensors
 
 log = logging.getLogger("autofit")
@@ -134,7 +135,7 @@ def ask_reduction(model, batch, loss_fn, device, probing):
             def loss_of(part):
                 part = device.to_device(part)
                 if loss_fn is not None:
-                    loss = loss_fn(_Forward(inner), part)
+                    loss = loss_and_kept(loss_fn(_Forward(inner), part))[0]
                 else:
                     out = inner.forward(**part) if isinstance(part, Mapping) else \
                         inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)

@@ -17,18 +17,23 @@ from autofit.plans.applies import not_applicable
 from autofit.engine.atomic import AtomicStep
 from autofit.engine.batches import split, weights
 from autofit.engine.checkpointing import Checkpointing
+from autofit.engine.kept import detached, loss_and_kept
 from autofit.errors import NoLossError
 from autofit.plans.ladder import config_of
 from autofit.engine.offload import Offload, to_device
 from autofit.engine.token_loss import weightless
 
 
-def compute_loss(model, batch, loss_fn=None, items=None) -> torch.Tensor:
+def compute_loss(model, batch, loss_fn=None, items=None, keep=None) -> torch.Tensor:
     """The scalar loss of one (micro-)batch: `loss_fn(model, batch)`, else the model's own; `items`
-    ({"num_items_in_batch": n} or empty, see token_loss) is passed on to either."""
+    ({"num_items_in_batch": n} or empty, see token_loss) is passed on to either. A loss_fn's kept
+    outputs (`(loss, kept)`, see engine/kept.py) go to `keep`, detached; without `keep` they are
+    dropped."""
     items = items or {}
     if loss_fn is not None:
-        loss = loss_fn(model, batch, **items)
+        loss, kept = loss_and_kept(loss_fn(model, batch, **items))
+        if kept is not None and keep is not None:
+            keep(detached(kept))
         where = "loss_fn"
     else:
         if isinstance(batch, Mapping):
@@ -87,6 +92,7 @@ class StepRunner:
         # before_backward(loss): called with the first micro-batch's loss of every attempt (the
         # controller's start state keeps the entry gradients of the leaves it reaches).
         self.before_backward = None
+        self.kept: list = []  # the last attempt's kept outputs per micro-batch (engine/kept.py)
 
     # -- plan switches -------------------------------------------------------------------------
     def prepare(self, plan) -> None:
@@ -129,8 +135,9 @@ class StepRunner:
         self._per_parameter(False)
 
     def abandon(self) -> None:
-        """Forget a failed attempt: gradients and scaler bookkeeping go back to before it."""
+        """Forget a failed attempt: gradients, kept outputs and scaler bookkeeping go back to before it."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.kept = []
         if self.scaler is not None and self._scaler_state is not None:
             scaler = torch.amp.GradScaler(self.device.type)
             scaler.load_state_dict(self._scaler_state)
@@ -161,6 +168,7 @@ class StepRunner:
         self.device.reset_peak_memory_stats()
         self.peak = 0
         parts = split(batch, plan.micro_batch_size)
+        self.kept = []  # this attempt's kept outputs, one per micro-batch run (engine/kept.py)
         shares = self._shares(batch, parts)
         items = self._items(batch)
         total = None  # stays on the device: one synchronisation per global batch, not per micro-step
@@ -176,7 +184,7 @@ class StepRunner:
             with self.sync(i, i == len(parts) - 1):
                 self.phase = "forward"
                 with torch.autocast(self.device.type, dtype=precisions.get(plan.precision).autocast_dtype, enabled=autocast):
-                    loss = compute_loss(self.forward, part, self.loss_fn, items)
+                    loss = compute_loss(self.forward, part, self.loss_fn, items, keep=self.kept.append)
                 scaled = loss * share
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)

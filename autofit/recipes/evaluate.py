@@ -40,6 +40,8 @@ import torch
 
 from autofit.engine.attempt import Attempter, Outcome, outside, until_fits
 from autofit.engine.batches import slice_batch, token_counter
+from autofit.engine.kept import copied, joined
+from autofit.engine.layout import Layout
 from autofit.gpu.device import open_device
 from autofit.recipes.eval_pace import Alone
 from autofit.recipes.eval_data import Cursor, check_arguments, check_data, is_map_dataset, units
@@ -67,6 +69,9 @@ class EvalResult:
     attempts: list = field(default_factory=list)   # list[EvalAttempt]
     metrics: dict = field(default_factory=dict)    # name -> sample-weighted mean of metric_fn values
     weight: float = 0.0         # what the loss is a mean over: rows, or label tokens (to combine ranks')
+    # What a loss_fn returning (loss, kept) kept, joined over every row evaluated, in order (this
+    # rank's rows), as normal tensors on the device: an evaluation's final recurrent state, say.
+    kept: object = None
 
     def record(self, epoch: int) -> dict:
         """The entry autofit.run appends to `result.eval_history`."""
@@ -111,6 +116,7 @@ class _Evaluator:
         self.output = None  # the model's output of the current forward, for metric_fn
         self.loss_sum, self.weight_sum, self.samples = 0.0, 0, 0
         self.metric_sums: dict[str, float] = {}
+        self.kept: list = []  # each accepted forward's kept outputs (engine/kept.py), in row order
         self.final_rows = 0  # most rows run in one forward since the last step-down
         self.trying = 0      # rows of the current attempt (under a lockstep: the most any rank runs)
         # Whatever evaluation made is an inference tensor; training state (params, grads, optimizer)
@@ -147,7 +153,7 @@ class _Evaluator:
                              "loss; check the labels.")
         metrics = {k: v / self.samples for k, v in self.metric_sums.items()}
         return EvalResult(self.loss_sum / self.weight_sum, self.samples, self.final_rows,
-                          self.attempts, metrics, self.weight_sum)
+                          self.attempts, metrics, self.weight_sum, self.kept)
 
     def attempt(self, cursor):
         """One forward of as many rows of the current unit as the sizer allows now; None when the
@@ -189,7 +195,7 @@ class _Evaluator:
 
     def paced(self, part, index: int, first: int, rows: int):
         """`forward`, then the ranks' agreement on how it went (nothing in one process)."""
-        failure, value = None, (0.0, 0, None)
+        failure, value = None, (0.0, 0, None, None)
         try:
             with self.pace.forward():
                 value = self.forward(part, index, first, rows)
@@ -230,8 +236,9 @@ class _Evaluator:
         try:
             with self.pace.grad_mode():
                 part = self.device.to_device(part)
+                keeps = []
                 try:
-                    loss = compute_loss(self.model, part, self.loss_fn)
+                    loss = compute_loss(self.model, part, self.loss_fn, keep=keeps.append)
                 except NoLossError as error:
                     raise NoLossError(f"cannot evaluate {type(self.model).__name__}: {error}") from None
                 value = loss.float().item() if weight else 0.0  # a batch with no label token has no loss
@@ -239,7 +246,8 @@ class _Evaluator:
                 metrics = self.metrics(part, index, first, size) if self.metric_fn is not None and size else None
         finally:
             self.output = None  # the hook's output of this forward, passed to metric_fn only
-        return value, weight, metrics
+        kept = copied(keeps[0]) if keeps and size else None  # a filler's are dropped
+        return value, weight, metrics, kept
 
     def metrics(self, part, index: int, first: int, size: int) -> dict:
         name = _metric_name(self.metric_fn)
@@ -262,7 +270,7 @@ class _Evaluator:
                               f"The model is back in its previous mode; fix the metric function or "
                               f"pass metric_fn=None.") from error
 
-    def accept(self, loss, weight, metrics, rows, size, cursor, peak) -> None:
+    def accept(self, loss, weight, metrics, kept, rows, size, cursor, peak) -> None:
         """Count a forward that fitted: `rows` of this rank's data (0 for a filler) in an attempt
         of `size` rows (the most any rank ran)."""
         self.sizer.ok(size)
@@ -272,6 +280,8 @@ class _Evaluator:
                                              peak))
             self.reason = "kept: fitted the previous evaluation batch"
         self.final_rows = max(self.final_rows, size)
+        if kept is not None and rows:
+            self.kept.append(kept)
         cursor.advance(rows)
         if weight:
             self.loss_sum += loss * weight
@@ -287,7 +297,8 @@ class _Evaluator:
 
 
 def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_fn=None, device=None,
-             start_batch_size=None, sizer=None, expect_like=None, progress=False, pace=None) -> EvalResult:
+             start_batch_size=None, sizer=None, expect_like=None, progress=False, pace=None,
+             batch_dim=None, layout=None) -> EvalResult:
     """Evaluate `model` on `data` without training it; returns an EvalResult.
 
     - `batch_size`: the most rows one forward pass may take (and, without `start_batch_size`, the
@@ -303,11 +314,24 @@ def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_
     - `metric_fn(output, batch) -> dict[str, float]`: see the module docstring.
     - `pace`: how evaluation keeps step with other ranks (autofit.recipes.eval_pace; a sharded
       model's run passes autofit.distributed.eval_lockstep's); None: alone.
+    - `batch_dim`: where the rows of the data's batches are (autofit.engine.layout; 1 for
+      time-first batches); `loss_fn` and `metric_fn` see batches as the data gives them.
+      `layout`: autofit.run's own (its data already row-first, its loss_fn already seeing batches
+      as given), instead of `batch_dim`.
     The model's train/eval mode (each submodule's) is restored afterwards, also on error; parameters,
     gradients and the optimizer are never touched.
     """
     check_arguments(model, loss_fn, metric_fn, batch_size, start_batch_size, device, budget)
     check_data(data)
+    if layout is None:
+        layout = Layout(batch_dim)
+        layout.check_model(model)
+        if not layout.row_first and is_map_dataset(data):
+            raise ValueError(f"batch_dim={batch_dim!r} with a map-style Dataset "
+                             f"({type(data).__name__}): its samples are collated rows first; pass "
+                             f"batches laid out as batch_dim says (a DataLoader or a list), or no batch_dim.")
+        data, loss_fn = layout.over(data), layout.loss_fn(loss_fn)
+    metric_fn = layout.metric_fn(metric_fn)
     sizer = sizer if sizer is not None else EvalSizer()
     if sizer.size is not None:
         reason = f"kept: {sizer.size} rows, the evaluation batch of an earlier evaluation"
@@ -332,7 +356,9 @@ def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_
         hook = model.register_forward_hook(evaluator.capture) if metric_fn is not None else None
         model.eval()
         try:
-            return evaluator.run(units(data, sizer, batch_size, dev.host), progress)
+            result = evaluator.run(units(data, sizer, batch_size, dev.host), progress)
+            result.kept = joined(result.kept, layout)
+            return result
         finally:
             if hook is not None:
                 hook.remove()

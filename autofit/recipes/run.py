@@ -38,7 +38,8 @@ class RunResult:
 
 def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
         eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
-        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True, shard=False):
+        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True, shard=False,
+        batch_dim=None):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -61,6 +62,10 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     BatchNorm needs to compute exactly what a full-batch loop computes); when no whole-batch plan
     fits, DoesNotFit says so. A model with batch-coupled layers (autofit.plans.coupling) walks a ladder
     that keeps the batch whole first either way.
+
+    `batch_dim` says where the rows of the data's batches are when not along dimension 0 (1 for
+    time-first batches, or a dict per field; autofit.engine.layout); the loss_fn, the model and
+    metric_fn see batches as the data gives them.
     """
     _check_positive_int("epochs", epochs)
     tune_options = None
@@ -72,7 +77,12 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
                         progress=progress, capacity_check=capacity_check, allow_split=allow_split,
-                        shard=shard)
+                        shard=shard, batch_dim=batch_dim)
+    if not training.layout.row_first and (tune_options is not None or batch_size is not None):
+        raise ValueError(f"batch_dim={batch_dim!r} needs data given as batches laid out that way, "
+                         f"trained as given: not with batch_size= (a Dataset's samples are collated rows "
+                         f"first) nor tune= (it measures row-first batches); give a DataLoader or a list "
+                         f"of batches and no tune=.")
     with training.lockstep.scope():
         return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
                     eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
@@ -82,7 +92,7 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
 def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,
          tune_options):
     first, epoch_batches = global_batches(data, batch_size, epochs)
-    rows_of(first)  # raises on a batch that cannot be split
+    rows_of(training.layout.rows_first(first))  # raises on a batch that cannot be split
     progress = training.progress
     if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "

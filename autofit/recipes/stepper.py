@@ -31,6 +31,9 @@ class StepOutput:
     plan: Plan                      # the plan it succeeded under
     attempts: list[Attempt] = field(default_factory=list)  # this batch's attempts, in order
     grad_norm: float | None = None  # the gradient's norm before clipping (None without max_grad_norm)
+    # What the loss_fn returned beside its loss, `(loss, kept)`, joined over the micro-batches in row
+    # order, from the attempt that succeeded (engine/kept.py); None when it returned a loss alone.
+    kept: object = None
 
 
 class Step:
@@ -54,7 +57,7 @@ class Step:
             training.explain_refusal(error)
             raise
         return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
-                          grad_norm=training.runner.grad_norm)
+                          grad_norm=training.runner.grad_norm, kept=training.kept)
 
     def evaluate(self, data, *, metric_fn=None, progress=False):
         """Validation inside the block: `autofit.evaluate` with this stepper's loss and device, in
@@ -120,7 +123,7 @@ class Step:
 @contextlib.contextmanager
 def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
             max_grad_norm=None, ladder=None, cache=True, capacity_check=True, allow_split=True,
-            shard=False):
+            shard=False, batch_dim=None):
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
     `StepOutput` (.loss, .plan, .attempts, .grad_norm).
 
@@ -134,10 +137,13 @@ def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None,
     Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
     `step` with its own share of each global batch (as a DistributedSampler gives it; call its
     set_epoch yourself) or with the same global batches, as with `autofit.run`; `shard` as there.
+    `batch_dim`: where the batches' rows are when not along dimension 0 (1 for time-first batches;
+    autofit.engine.layout). A `loss_fn` returning `(loss, kept)` gets `kept` back joined over the
+    micro-batches as `out.kept` (a recurrent state carried to the next batch: engine/kept.py).
     """
     training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
                         precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
                         progress=True, capacity_check=capacity_check, allow_split=allow_split,
-                        shard=shard)
+                        shard=shard, batch_dim=batch_dim)
     with training:
         yield Step(training)

@@ -20,6 +20,8 @@ import torch
 
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
+from autofit.engine.kept import joined
+from autofit.engine.layout import Layout
 from autofit.plans.coupling import Coupling
 from autofit.gpu.device import open_device
 from autofit.gpu.memory import by_kind
@@ -53,9 +55,13 @@ class Training:
 
     def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
                  precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
-                 capacity_check=True, allow_split=True, shard=False):
+                 capacity_check=True, allow_split=True, shard=False, batch_dim=None):
         check_training_options(model=model, precision=precision, loss_fn=loss_fn,
                                max_grad_norm=max_grad_norm)
+        # Where the batches' rows are; inside, every batch is row-first (engine/layout.py).
+        self.layout = Layout(batch_dim)
+        self.layout.check_model(model)
+        loss_fn = self.layout.loss_fn(loss_fn)
         optimizer, scheduler = accelerate.unwrap(optimizer, scheduler)  # what accelerator.prepare returned
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False but got {shard!r}.")
@@ -84,6 +90,7 @@ class Training:
         self.step = 0             # global batches trained
         self.sizer = EvalSizer()  # the evaluation batch that worked, kept from one evaluation to the next
         self.samples = 0
+        self.kept = None  # the last global batch's kept outputs (engine/kept.py)
 
     # -- setup and cleanup ---------------------------------------------------------------------
     def __enter__(self) -> "Training":
@@ -120,6 +127,7 @@ class Training:
         `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
         `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
         `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
+        given, first = first, self.layout.rows_first(first)
         lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
         sizes, precision = self.sizes, self.precision
         # The first agreement: how the data is given, rank 0's weights on every rank.
@@ -151,7 +159,8 @@ class Training:
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:
-                batch = longest_batch(data, first) if data is not None else first
+                longest = longest_batch(data, given) if data is not None else given
+                batch = first if longest is given else self.layout.rows_first(longest)
                 # The guide's probe is one rank's estimate: under torch.distributed the ranks'
                 # agreement steers the search instead.
                 guide = None if self.distributed else \
@@ -206,14 +215,29 @@ class Training:
         return [] if self.controller is None else self.controller.attempts
 
     def train(self, batch) -> float:
-        """Train one global batch (replayed on OOM); returns its loss."""
+        """Train one global batch (replayed on OOM); returns its loss. `self.kept`: the kept
+        outputs the loss_fn returned for it (engine/kept.py), joined in row order, or None."""
         lockstep = self.lockstep
+        batch = self.layout.rows_first(batch)
         count = self.runner.count if self.distributed else None  # weighs each rank's share
-        loss = self.controller.train(lockstep.next_batch(batch, count), self.step)
+        local = lockstep.next_batch(batch, count)
+        loss = self.controller.train(local, self.step)
+        self.kept = self._kept(local)
         self.watch.after_step(self.step, self.controller.plan, batch)
         self.step += 1
         self.samples += lockstep.global_rows  # the global batch's rows, every rank's share counted
         return loss
+
+    def _kept(self, local):
+        """The successful attempt's kept outputs, joined and laid out as the batch is."""
+        kept, self.runner.kept = joined(self.runner.kept, self.layout), []
+        if kept is not None:
+            rows, want = rows_of(self.layout.rows_first(kept, "kept outputs")), rows_of(local)
+            if rows != want:
+                raise ValueError(f"the loss_fn's kept outputs have {rows} rows for a batch of {want}: each "
+                                 f"micro-batch must return one row per row it was given (laid out as the "
+                                 f"batch is, batch_dim), and every micro-batch must return them.")
+        return kept
 
     def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
         """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
@@ -227,7 +251,8 @@ class Training:
                                  "call step(batch) once before step.evaluate(...).")
             pace = ShardedEvaluation(self.lockstep)
         start = None if self.plan is None else EVAL_START_FACTOR * self.plan.micro_batch_size
-        done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn,
+        data = self.layout.over(data)  # row-first batches, as each rank's share is cut
+        done = evaluate(self.model, self.lockstep.eval_share(data), loss_fn=self.loss_fn, layout=self.layout,
                         metric_fn=metric_fn, device=self.device, sizer=self.sizer,
                         expect_like=expect_like, progress=progress, start_batch_size=start, pace=pace)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
