@@ -197,3 +197,45 @@ def test_autofit_never_imports_accelerate():
             "print(sorted(k for k in sys.modules if k.split('.')[0] == 'accelerate'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout == "[]\n"
+
+
+@pytest.mark.slow
+def test_the_converted_run_glue_example_trains_under_a_budget_the_plain_loop_exceeds_and_equals_it():
+    import test_examples
+    glue = test_examples.example("accelerate_glue")
+    train_rows, eval_rows = glue.random_rows(24), glue.random_rows(16, seed=2)
+
+    def plain(splits):
+        """The script's loop with each global batch split as autofit split it (rows weighted)."""
+        accelerator, model, optimizer, train_dl, eval_dl, scheduler = glue.setup(train_rows, eval_rows)
+        accuracies = []
+        for epoch in range(2):
+            model.train()
+            for batch, micro in zip(train_dl, splits[epoch * len(train_dl):]):
+                for i in range(0, len(batch["labels"]), micro):
+                    part = {k: v[i:i + micro] for k, v in batch.items()}
+                    accelerator.backward(model(**part).loss * (len(part["labels"]) / len(batch["labels"])))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                hits = [(model(**b).logits.argmax(-1) == b["labels"]) for b in eval_dl]
+            accuracies.append(float(torch.cat(hits).float().mean()))
+        return model, accuracies
+
+    with autofit.simulate_gpu() as gpu:
+        glue.train_plain(*glue.setup(train_rows, eval_rows))
+        whole = gpu.max_memory_allocated()
+    with autofit.simulate_gpu(int(whole * 0.6)):
+        with pytest.raises(torch.OutOfMemoryError):
+            glue.train_plain(*glue.setup(train_rows, eval_rows))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    objects = glue.setup(train_rows, eval_rows)
+    with autofit.simulate_gpu(int(whole * 0.6)):
+        accuracies, splits = glue.train_autofit(*objects, precision="fp32", cache=False)
+    assert len(splits) == 6 and splits[0] < 8
+    reference, plain_accuracies = plain(splits)
+    assert max_diff(objects[1], reference) == 0.0
+    assert accuracies == pytest.approx(plain_accuracies, abs=1e-12)
