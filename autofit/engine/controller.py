@@ -18,6 +18,7 @@ import logging
 from autofit.diagnosis.on_device import on_device_predicate
 from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
+from autofit.engine.attempt_log import AttemptLog
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
 from autofit.engine.withdrawal import Withdrawals
@@ -25,7 +26,7 @@ from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.plans.applies import unavailable_changes
-from autofit.plans.ladder import SizeLog
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 from autofit.plans.sizelog import Unguided
 
@@ -51,7 +52,7 @@ class Controller:
         self.probe_up, self.settle_within = probe_up, settle_within
         self.on_attempt = on_attempt
         self.quiet = quiet  # progress=False: no step-down logging either
-        self.attempts: list[Attempt] = []
+        self.attempts = AttemptLog()  # every attempt; a run of alike successes is one entry
         # What this run proved (sizes that trained a global batch): a failure of one of them is
         # retried once before it counts, since it fitted rows this long before.
         self.proven = SizeLog()
@@ -106,7 +107,7 @@ class Controller:
         finally:
             self.start.release()  # no reference to the batch outlives its step
         if not outcome.ok:
-            failed = [a for a in self.attempts if a.step == step]
+            failed = self.attempts.of_step(step)
             last = failed[-1] if failed else None
             if self.next_plan is not None:  # the ladder had a plan left: the cap ended the walk
                 raise DoesNotFit(
