@@ -15,14 +15,16 @@ from autofit.errors import (
     UsageError,
 )
 from autofit.estimator.estimate import MemoryEstimate, estimate
-from autofit.recipes.evaluate import EvalResult, EvalSizer, evaluate
+from autofit.recipes.evaluate import EvalResult, evaluate
+from autofit.recipes.eval_sizer import EvalSizer
 from autofit.diagnosis.explain import explain
 from autofit.plans.plan import Plan
 from autofit.recipes.run import RunResult, run
 from autofit.gpu.simulate import simulate_gpu
 from autofit.sizes import parse_size
 from autofit.recipes.stepper import StepOutput, stepper
-from autofit.tuning.tune import TuneResult, tune
+from autofit.tuning.tune import tune
+from autofit.tuning.verdict import TuneResult
 
 __version__ = "0.1.0"
 

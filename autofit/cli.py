@@ -14,7 +14,8 @@ import logging
 import sys
 import traceback
 
-from autofit.commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
+from autofit.commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from autofit.errors import one_line
 from autofit.commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
 from autofit.commands.demo import DEMO_BATCH, DEMO_BUDGET, DEMO_STEPS, cmd_demo
 from autofit.commands.probe import VERIFY_STEPS, cmd_probe

@@ -46,7 +46,7 @@ import autofit  # noqa: E402  (common put the checkout on sys.path)
 from autofit import tune  # noqa: E402
 from autofit.gpu.device import SimulatedDevice  # noqa: E402
 from autofit.tuning.throughput import Pristine, measure  # noqa: E402
-from autofit.tuning.tune import MIN_GAIN  # noqa: E402
+from autofit.tuning.verdict import MIN_GAIN
 
 SEQ, HIDDEN = 32, 64
 

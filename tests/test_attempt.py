@@ -14,7 +14,8 @@ from autofit.engine.attempt import Attempter, next_down, until_fits
 from autofit.errors import DoesNotFit, MemoryNotReleased
 from autofit.gpu.device import SimulatedDevice
 from autofit.gpu.simulate import simulate_gpu
-from autofit.plans.ladder import Either, SizeLog, ShrinkMicroBatch, checkpointing, mixed_precision
+from autofit.plans.ladder import Either, ShrinkMicroBatch, checkpointing, mixed_precision
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 
 MiB = 1 << 20

@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from autofit.cache.store import APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION, PlanCache, default_path
+from autofit.cache.store import PlanCache, default_path
+from autofit.cache.sqlite_file import APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION
 from autofit.plans.plan import Plan
 
 FIELDS = {"model": {"class": "m.M", "params": "ab" * 32, "n_params": 10}, "global_batch": 32}

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from autofit.estimator.capacity import (CHECKPOINT_COST, MIXED_PRECISION_COST, OFFLOAD_COST, Candidate,
-                              candidate_plans, choose, micro_batch_sizes, needs_message, plan_cost,
-                              rank)
+from autofit.estimator.capacity import Candidate, choose, needs_message, rank
+from autofit.estimator.cost import CHECKPOINT_COST, OFFLOAD_COST, candidate_plans, micro_batch_sizes, plan_cost
+from autofit.plans.precision import MIXED_PRECISION_COST
 from autofit.gpu.device import SimulatedDevice
 from autofit.estimator.estimate import estimate
 from autofit.plans.plan import Plan

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import autofit
 from autofit.plans.coupling import Coupling, coupled_modules
-from autofit.plans.ladder import SizeLog
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 
 

@@ -39,7 +39,7 @@ def test_every_exception_class_of_errors_is_exported():
 def test_old_import_paths_still_work():
     from autofit.gpu.allocator import AllocationFailed
     from autofit.commands import UsageError
-    from autofit.distributed.lockstep import LockstepError, PeerOutOfMemory, RankFailed
+    from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
     from autofit.recipes.evaluate import MetricError
     from autofit.commands.models import ModelSpecError
     from autofit.engine.step import NoLossError

@@ -6,7 +6,8 @@ import autofit
 from autofit.gpu.device import open_device
 from autofit.errors import DoesNotFit
 from autofit.recipes.eval_data import check_eval_data
-from autofit.recipes.evaluate import EvalAttempt, EvalResult, EvalSizer, MetricError, evaluate
+from autofit.recipes.evaluate import EvalResult, MetricError, evaluate
+from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer
 from autofit.plans.plan import Plan
 from autofit.engine.step import NoLossError, StepRunner
 

@@ -5,7 +5,8 @@ from transformers import BertConfig, BertForSequenceClassification
 import autofit
 from autofit.engine.controller import Attempt
 from autofit.errors import DoesNotFit
-from autofit.recipes.evaluate import EvalAttempt, EvalResult
+from autofit.recipes.evaluate import EvalResult
+from autofit.recipes.eval_sizer import EvalAttempt
 from autofit.diagnosis.explain import explain
 from autofit.diagnosis.fixes import fixes_for
 from autofit.plans.plan import Plan

@@ -11,7 +11,8 @@ from autofit.engine.step import StepRunner
 from autofit.gpu import fragmentation
 from autofit.gpu.device import open_device
 from autofit.gpu.fragmentation import Fragmentation, requested, with_expandable_segments
-from autofit.plans.ladder import SizeLog, default_ladder
+from autofit.plans.ladder import default_ladder
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 
 MiB, GiB = 2**20, 2**30

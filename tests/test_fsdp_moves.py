@@ -13,7 +13,8 @@ from autofit.estimator.cost import REDUCE_EACH_COST, RESHARD_COST, candidate_pla
 from autofit.estimator.sharded import ShardedEstimator, Sharding
 from autofit.gpu.device import CpuDevice
 from autofit.plans.applies import not_applicable, unavailable_changes
-from autofit.plans.ladder import SizeLog, config_of, default_ladder, sharded
+from autofit.plans.ladder import default_ladder, sharded
+from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans.plan import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -5,9 +5,8 @@ import re
 import pytest
 import torch
 
-from autofit.plans.ladder import (BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, SizeLog, as_move,
-                            checkpointing, config_of, default_ladder, mixed_precision, offload_optimizer,
-                            step_down)
+from autofit.plans.ladder import BUSY_FLOOR, Either, FunctionMove, Move, SetField, ShrinkMicroBatch, as_move, checkpointing, default_ladder, mixed_precision, offload_optimizer, step_down
+from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans.plan import Plan
 
 SHRINK_8 = "smaller micro-batch, more accumulation (not below 8)"

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from autofit.plans.plan import PRECISIONS, Plan
+from autofit.plans.plan import Plan
+from autofit.plans.precision import PRECISIONS
 
 
 def test_defaults_and_fields():

@@ -11,7 +11,7 @@ from autofit import cli
 from autofit.cache.fingerprint import job_key
 from autofit.engine.inputs import check_training_options
 from autofit.plans import precision
-from autofit.estimator.capacity import candidate_plans, plan_cost
+from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.plans.ladder import mixed_precision
 from autofit.plans.plan import Plan
 
@@ -22,7 +22,7 @@ def test_registry_facts():
     assert rows == [("fp32", None, False, False, 1.0, None, "no"),
                     ("bf16", torch.bfloat16, True, False, 1.15, "bf16", "bf16"),
                     ("fp16", torch.float16, True, True, 1.15, "fp16", "fp16")]
-    assert precision.PRECISIONS == ("fp32", "bf16", "fp16") == autofit.plans.plan.PRECISIONS
+    assert precision.PRECISIONS == ("fp32", "bf16", "fp16")
     assert precision.MIXED == ("bf16", "fp16")
 
 
@@ -41,7 +41,7 @@ def test_capacity_reads_the_cost_from_the_registry(monkeypatch):
     monkeypatch.setitem(precision.REGISTRY, "bf16",
                         precision.Precision("bf16", torch.bfloat16, False, 2.0, "bf16", "bf16"))
     assert plan_cost(Plan(32, precision="bf16"), 32) == 2.0
-    assert plan_cost(Plan(32, precision="fp16"), 32) == autofit.estimator.capacity.MIXED_PRECISION_COST == 1.15
+    assert plan_cost(Plan(32, precision="fp16"), 32) == autofit.plans.precision.MIXED_PRECISION_COST == 1.15
 
 
 def test_policy_and_fallback_lookups():

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import autofit
-from autofit.cache.store import APPLICATION_ID, PlanCache
+from autofit.cache.store import PlanCache
+from autofit.cache.sqlite_file import APPLICATION_ID
 from autofit.plans.plan import Plan
 from autofit.tuning.study import TuneTrial
 from models import bert_batch, tiny_bert

@@ -160,7 +160,7 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
     short = cls_batches(2, rows=ROWS, seq=SHORT, seed=1)
     [middle] = cls_batches(1, rows=ROWS, seq=LONG // 2, seed=3)
     [long] = cls_batches(1, rows=ROWS, seq=LONG, seed=2)
-    sizes = autofit.plans.ladder.SizeLog()
+    sizes = autofit.plans.sizelog.SizeLog()
     from autofit.engine.controller import Controller
     from autofit.gpu.device import open_device
     from autofit.engine.step import StepRunner

@@ -20,7 +20,7 @@ import time
 
 from autofit.cache.store import PlanCache
 from autofit.cache.fingerprint import job_key
-from autofit.plans.ladder import SizeLog, config_of
+from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 

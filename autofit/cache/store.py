@@ -13,8 +13,7 @@ import os
 import pathlib
 from datetime import datetime, timezone
 
-from autofit.cache.sqlite_file import (  # noqa: F401  (the file's marks, also read from here)
-    APPLICATION_ID, OPTUNA_TABLES, SCHEMA_VERSION, CacheFile, _write_transaction, logger)
+from autofit.cache.sqlite_file import CacheFile, _write_transaction, logger
 from autofit.plans.plan import Plan
 
 FILE_NAME = "plans.sqlite"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from autofit.errors import UsageError, one_line  # noqa: F401  (one_line: the commands' one-line error text)
+from autofit.errors import UsageError
 from autofit.sizes import format_size, parse_size
 
 EXIT_OK = 0

@@ -6,7 +6,8 @@ import json
 import sys
 
 from autofit.sizes import format_size
-from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, one_line, out, positive_arg, size_arg
+from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
+from autofit.errors import one_line
 
 # Without CUDA to measure it: the context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB
 # outside any allocator budget.

@@ -12,7 +12,7 @@ import torch
 from autofit.distributed.agreement import DECIDE, START
 from autofit.distributed.fsdp import sharding
 from autofit.errors import DoesNotFit, LockstepError
-from autofit.plans.ladder import SizeLog
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 
 

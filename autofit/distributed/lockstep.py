@@ -107,7 +107,7 @@ from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
 from autofit.engine.batches import batch_size as rows_of
-from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed  # noqa: F401 (also their old home)
+from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
 from autofit.plans.plan import Plan
 
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the

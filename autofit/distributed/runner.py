@@ -12,7 +12,7 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
 from autofit.engine.token_loss import ITEMS
-from autofit.plans.ladder import config_of
+from autofit.plans.sizelog import config_of
 
 
 class DistributedStepRunner(StepRunner):

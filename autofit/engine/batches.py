@@ -123,7 +123,7 @@ def row_elements(batch) -> int:
 
     Memory grows with it, whatever dimension grows: for token batches it is the number of fields
     times the sequence length (plus one per label), for images it is fixed. The sizes a plan was
-    proven for are kept per row length (`ladder.SizeLog`). Per-row Python lists hold no device
+    proven for are kept per row length (`sizelog.SizeLog`). Per-row Python lists hold no device
     memory and count nothing.
     """
     rows = max(batch_size(batch), 1)

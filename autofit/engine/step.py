@@ -19,7 +19,7 @@ from autofit.engine.batches import split, weights
 from autofit.engine.checkpointing import Checkpointing
 from autofit.engine.kept import detached, loss_and_kept
 from autofit.errors import NoLossError
-from autofit.plans.ladder import config_of
+from autofit.plans.sizelog import config_of
 from autofit.engine.offload import Offload, to_device
 from autofit.engine.token_loss import weightless
 

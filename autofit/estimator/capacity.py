@@ -34,17 +34,14 @@ from dataclasses import dataclass
 
 from autofit.engine.batches import batch_size
 from autofit.engine.checkpointing import Checkpointing
-from autofit.estimator.cost import (  # noqa: F401  (the cost model's names, also read from here)
-    CHECKPOINT_COST, MICRO_OVERHEAD, OFFLOAD_COST, _check_positive,
-    candidate_plans, micro_batch_sizes, plan_cost)
+from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.sharded import ShardedEstimator, sharding_of
-from autofit.plans.ladder import config_of
+from autofit.plans.sizelog import config_of
 from autofit.gpu.memory import format_breakdown
 from autofit.gpu.oom import summarize
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
-from autofit.plans.precision import MIXED_PRECISION_COST  # noqa: F401  (its old import path)
 from autofit.plans.precision import get as get_precision
 from autofit.sizes import format_size, parse_size
 

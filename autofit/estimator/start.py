@@ -21,7 +21,7 @@ from autofit.estimator.capacity import choose, make_estimator, needs_message, ra
 from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
-from autofit.plans.ladder import config_of
+from autofit.plans.sizelog import config_of
 from autofit.engine.reading import rng_untouched
 from autofit.sizes import format_size
 

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 import torch
 
 from autofit.plans import precision as precisions
-from autofit.estimator.capacity import needs_message, plan_cost, rank
+from autofit.estimator.capacity import needs_message, rank
+from autofit.estimator.cost import plan_cost
 from autofit.errors import DoesNotFit
 from autofit.plans.ladder import Move
 from autofit.plans.plan import Plan

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
-from autofit.plans.sizelog import EVERY, SizeLog, config_of  # noqa: F401 (also imported from here)
+from autofit.plans.sizelog import SizeLog
 
 BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper moves come first
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from autofit.plans import precision as precisions
-from autofit.plans.precision import EXACT, PRECISIONS  # noqa: F401  (PRECISIONS: its old import path)
+from autofit.plans.precision import EXACT
 
 
 def _positive(name: str, value) -> None:

@@ -45,7 +45,7 @@ from autofit.engine.layout import Layout
 from autofit.gpu.device import open_device
 from autofit.recipes.eval_pace import Alone
 from autofit.recipes.eval_data import Cursor, check_arguments, check_data, is_map_dataset, units
-from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer  # noqa: F401  (their public path)
+from autofit.recipes.eval_sizer import EvalAttempt, EvalSizer
 from autofit.errors import DoesNotFit, MetricError, NoLossError
 from autofit.gpu.oom import is_oom
 from autofit.engine.step import compute_loss

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Attempt
 from autofit.recipes.eval_data import check_eval_data
-from autofit.engine.inputs import build_optimizer, global_batches  # noqa: F401 (their old home)
+from autofit.engine.inputs import global_batches
 from autofit.engine.inputs import check_optimizer, check_training_options
 from autofit.engine.inputs import check_positive_int as _check_positive_int
 from autofit.plans.plan import Plan
 from autofit.recipes.training import Training
-from autofit.tuning.tune import run_options, tune_for_run
+from autofit.tuning.tune import tune_for_run
+from autofit.tuning.options import run_options
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from autofit.engine.controller import Attempt
 from autofit.errors import DoesNotFit
-from autofit.plans.ladder import SizeLog
+from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 from autofit.recipes.training import Training
 

@@ -32,10 +32,12 @@ from autofit.distributed.local import Local
 from autofit.distributed.lockstep import open_lockstep
 from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
-from autofit.recipes.evaluate import EVAL_START_FACTOR, EvalSizer, evaluate
+from autofit.recipes.evaluate import EVAL_START_FACTOR, evaluate
+from autofit.recipes.eval_sizer import EvalSizer
 from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
 from autofit.engine.offload import to_host
-from autofit.plans.ladder import SizeLog, as_move, sharded as sharded_ladder
+from autofit.plans.ladder import as_move, sharded as sharded_ladder
+from autofit.plans.sizelog import SizeLog
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.integrations import accelerate
 from autofit.plans.applies import not_applicable

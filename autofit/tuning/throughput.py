@@ -24,11 +24,13 @@ import torch
 from autofit.plans import precision as precisions
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.batches import token_counter
-from autofit.estimator.capacity import micro_batch_sizes, plan_cost, rank
+from autofit.estimator.capacity import rank
+from autofit.estimator.cost import micro_batch_sizes, plan_cost
 from autofit.engine.controller import Controller
 from autofit.errors import DoesNotFit
 from autofit.gpu.oom import collect
-from autofit.plans.ladder import Move, SizeLog, config_of
+from autofit.plans.ladder import Move
+from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans.plan import Plan
 from autofit.estimator.start import estimated_start, headroom, tensor_budget
 from autofit.engine.step import StepRunner
@@ -156,7 +158,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
     """(default plan, the plans to measure in order): the plan `autofit.run` would start from
     (`estimated_start`), the fitting plans of the other precision when the policy is "auto", and
     for each configuration its largest fitting micro-batch with about 1/2 and 1/4 of it. The
-    default comes first, then the others by `capacity.plan_cost`, fastest first."""
+    default comes first, then the others by `cost.plan_cost`, fastest first."""
     started = estimated_start(model, batch, optimizer, loss_fn, device, precision, SizeLog())
     if started is None:  # nothing to check against, or the estimator cannot follow the model
         default = Plan.for_batch(global_batch, precision=precisions.start_precision(precision))

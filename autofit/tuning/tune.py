@@ -13,7 +13,7 @@ best one by that model, so `rank` alone returns a single fitting plan in most jo
 - with precision="auto", the fitting plans `rank` finds with the other precision fixed (bf16, or
   fp16 where bf16 is unsupported; fp32 when the default is already mixed);
 - for each configuration (precision, checkpointing, offload) found above, its largest fitting
-  micro-batch and about a half and a quarter of it (sizes from `capacity.micro_batch_sizes`):
+  micro-batch and about a half and a quarter of it (sizes from `cost.micro_batch_sizes`):
   memory grows with the micro-batch, so these fit too, and they test the cost model's claim that
   fewer, larger micro-batches are faster.
 
@@ -72,7 +72,7 @@ from autofit.gpu.device import open_device
 from autofit.gpu.oom import is_oom, summarize
 from autofit.engine.inputs import build_optimizer, global_batches
 from autofit.engine.replay import rng_state, set_rng_state
-from autofit.plans.ladder import SizeLog, config_of
+from autofit.plans.sizelog import SizeLog, config_of
 from autofit.cache.memo import Memo
 from autofit.plans import precision as precisions
 from autofit.estimator.start import longest_batch, tensor_budget
@@ -85,9 +85,9 @@ from autofit.tuning.study import (
     run_queue,
     stored_space,
 )
-from autofit.tuning.options import RUN_OPTIONS, check_options, no_budget_message, run_options  # noqa: F401  (names of autofit.tuning.tune)
+from autofit.tuning.options import check_options, no_budget_message, run_options
 from autofit.tuning.throughput import Pristine, measure, search_space
-from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict  # noqa: F401  (names of autofit.tune)
+from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict
 
 log = logging.getLogger("autofit")
 
