@@ -9,7 +9,7 @@ import autofit.estimator.capacity
 import autofit.plans.plan
 from autofit import cli
 from autofit.cache.fingerprint import job_key
-from autofit.engine.inputs import check_training_options
+from autofit.recipes.options import Options
 from autofit.plans import precision
 from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.plans.ladder import mixed_precision
@@ -91,14 +91,14 @@ def test_a_precision_added_to_the_registry_is_offered_everywhere(monkeypatch):
     assert probe.choices == ("auto", "fp32", "bf16", "fp16", "fp8")
     assert cli.build_parser().parse_args(["probe", "--gpu-mem", "2GiB", "--precision", "fp8"]).precision == "fp8"
     # every check of a user's precision=, and the plans and moves built from it
-    check_training_options(model=torch.nn.Linear(2, 2), precision="fp8", loss_fn=None, max_grad_norm=None)
+    Options(precision="fp8")
     assert Plan(4, precision="fp8").precision == "fp8"
     assert [p.precision for p in candidate_plans(2, "fp8", allow_offload=False, checkpointing=False)] == ["fp8", "fp8"]
     assert mixed_precision("fp8").step(Plan(4)) == Plan(4, precision="fp8")
     assert mixed_precision("bf16").step(Plan(4, precision="fp8")) is None  # only from an exact plan
     assert plan_cost(Plan(4, precision="fp8"), 4) == 1.3
     with pytest.raises(ValueError, match=r"^precision must be one of auto, fp32, bf16, fp16, fp8 but got 'fp4'\.$"):
-        check_training_options(model=torch.nn.Linear(2, 2), precision="fp4", loss_fn=None, max_grad_norm=None)
+        Options(precision="fp4")
     with pytest.raises(TypeError, match=r"pass the policy, one of auto, fp32, bf16, fp16, fp8\.$"):
         job_key(model=torch.nn.Linear(2, 2), batch=torch.zeros(2, 2), optimizer_name="AdamW", global_batch=2,
                 precision=None, device_name="simulated", device_total=None, budget=None)

@@ -6,32 +6,17 @@ A low module (it imports no recipe), so every recipe can use it without importin
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 
 from autofit.engine.batches import dataset_batches
 from autofit.engine.optimizers import check_steppable, from_factory
-from autofit.plans import precision as precisions
 from autofit.engine.reading import Epochs
 
 
 def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int but got {value!r}.")
-
-
-def check_training_options(*, model, precision, loss_fn, max_grad_norm) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    precisions.check_policy(precision)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
-                                      or not isinstance(max_grad_norm, (int, float))
-                                      or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
-        raise ValueError(f"max_grad_norm must be a positive number (or None: no clipping) but got "
-                         f"{max_grad_norm!r}.")
 
 
 def global_batches(data, batch_size, epochs: int):

@@ -8,9 +8,10 @@ from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Attempt
 from autofit.recipes.eval_data import check_eval_data
 from autofit.engine.inputs import global_batches
-from autofit.engine.inputs import check_optimizer, check_training_options
+from autofit.engine.inputs import check_optimizer
 from autofit.engine.inputs import check_positive_int as _check_positive_int
 from autofit.plans.plan import Plan
+from autofit.recipes.options import Options, check_model, keywords
 from autofit.recipes.training import Training
 from autofit.tuning.tune import tune_for_run
 from autofit.tuning.options import run_options
@@ -37,10 +38,7 @@ class RunResult:
         return sum(a.outcome == "oom" for a in self.attempts)
 
 
-def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, batch_size=None,
-        eval_data=None, budget=None, precision="auto", max_grad_norm=None, ladder=None, cache=True,
-        progress=True, metric_fn=None, capacity_check=True, tune=False, allow_split=True, shard=False,
-        batch_dim=None):
+def run(model, data, *, epochs=1, batch_size=None, eval_data=None, metric_fn=None, tune=False, **options):
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 
@@ -64,6 +62,9 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     fits, DoesNotFit says so. A model with batch-coupled layers (autofit.plans.coupling) walks a ladder
     that keeps the batch whole first either way.
 
+    The options besides `epochs`, `batch_size`, `eval_data`, `metric_fn` and `tune` are the fields of
+    `autofit.recipes.options.Options`, shared with autofit.stepper.
+
     `batch_dim` says where the rows of the data's batches are when not along dimension 0 (1 for
     time-first batches, or a dict per field; autofit.engine.layout); the loss_fn, the model and
     metric_fn see batches as the data gives them.
@@ -72,22 +73,23 @@ def run(model, data, *, loss_fn=None, optimizer=None, scheduler=None, epochs=1, 
     tune_options = None
     if tune is not False:  # True or a dict of autofit.tune options; checked before any work
         tune_options = run_options(tune)
-    check_training_options(model=model, precision=precision, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
-    check_optimizer(optimizer)
+    check_model(model)
+    job = Options.of("autofit.run", options)
+    check_optimizer(job.optimizer)
     # The lockstep opens here, before the data is read: every failure after this is announced.
-    training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
-                        precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=progress, capacity_check=capacity_check, allow_split=allow_split,
-                        shard=shard, batch_dim=batch_dim)
+    training = Training(model, job)
     if not training.layout.row_first and (tune_options is not None or batch_size is not None):
-        raise ValueError(f"batch_dim={batch_dim!r} needs data given as batches laid out that way, "
+        raise ValueError(f"batch_dim={job.batch_dim!r} needs data given as batches laid out that way, "
                          f"trained as given: not with batch_size= (a Dataset's samples are collated rows "
                          f"first) nor tune= (it measures row-first batches); give a DataLoader or a list "
                          f"of batches and no tune=.")
     with training.lockstep.scope():
-        return _run(training, data, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
-                    eval_data=eval_data, precision=precision, cache=cache, metric_fn=metric_fn,
+        return _run(training, data, loss_fn=job.loss_fn, epochs=epochs, batch_size=batch_size,
+                    eval_data=eval_data, precision=job.precision, cache=job.cache, metric_fn=metric_fn,
                     tune_options=tune_options)
+
+
+keywords(run)
 
 
 def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,

@@ -18,6 +18,7 @@ from autofit.engine.controller import Attempt
 from autofit.errors import DoesNotFit
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
+from autofit.recipes.options import Options, keywords
 from autofit.recipes.training import Training
 
 STATE_VERSION = 1
@@ -121,29 +122,29 @@ class Step:
 
 
 @contextlib.contextmanager
-def stepper(model, optimizer=None, *, loss_fn=None, scheduler=None, budget=None, precision="auto",
-            max_grad_norm=None, ladder=None, cache=True, capacity_check=True, allow_split=True,
-            shard=False, batch_dim=None):
+def _stepper(model, optimizer=None, **options):
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
-    `StepOutput` (.loss, .plan, .attempts, .grad_norm).
+    `StepOutput` (.loss, .plan, .attempts, .grad_norm, .kept).
 
-    `optimizer`: an instance or a factory params -> Optimizer (None: AdamW). `scheduler`: an
+    The options are `autofit.recipes.options.Options`' fields, as keywords. `optimizer`: an instance
+    or a factory params -> Optimizer (None: AdamW). `scheduler`: an
     instance built on that optimizer, or a factory optimizer -> scheduler; stepped once per global
     batch, never for a failed attempt; Accelerate's prepared optimizer and scheduler are taken as they
     are (autofit.integrations.accelerate unwraps them). `loss_fn`, `budget`, `precision`, `ladder`,
     `cache` mean what they mean for `autofit.run`. `max_grad_norm` clips the gradient of the whole global batch.
     `allow_split=False` never splits a global batch into micro-batches (what a model with
     batch-coupled layers may need), as for `autofit.run`; a resumed plan that splits is made whole.
-    Each step-down is logged on the "autofit" logger. Under torch.distributed every rank opens the stepper and calls
+    Each step-down is logged on the "autofit" logger (`progress=False`: not). Under torch.distributed every rank opens the stepper and calls
     `step` with its own share of each global batch (as a DistributedSampler gives it; call its
     set_epoch yourself) or with the same global batches, as with `autofit.run`; `shard` as there.
     `batch_dim`: where the batches' rows are when not along dimension 0 (1 for time-first batches;
     autofit.engine.layout). A `loss_fn` returning `(loss, kept)` gets `kept` back joined over the
     micro-batches as `out.kept` (a recurrent state carried to the next batch: engine/kept.py).
     """
-    training = Training(model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, budget=budget,
-                        precision=precision, max_grad_norm=max_grad_norm, ladder=ladder, cache=cache,
-                        progress=True, capacity_check=capacity_check, allow_split=allow_split,
-                        shard=shard, batch_dim=batch_dim)
+    training = Training(model, Options.of("autofit.stepper", options, optimizer=optimizer))
     with training:
         yield Step(training)
+
+
+stepper = keywords(_stepper)
+stepper.__name__ = stepper.__qualname__ = "stepper"

@@ -34,7 +34,8 @@ from autofit.distributed.runner import DistributedStepRunner
 from autofit.errors import DoesNotFit
 from autofit.recipes.evaluate import EVAL_START_FACTOR, evaluate
 from autofit.recipes.eval_sizer import EvalSizer
-from autofit.engine.inputs import build_optimizer, build_scheduler, check_training_options
+from autofit.engine.inputs import build_optimizer, build_scheduler
+from autofit.recipes.options import Options, check_model
 from autofit.engine.offload import to_host
 from autofit.plans.ladder import as_move, sharded as sharded_ladder
 from autofit.plans.sizelog import SizeLog
@@ -55,36 +56,28 @@ log = logging.getLogger("autofit")
 class Training:
     """One training job: see the module's docstring. `progress` also decides step-down logging."""
 
-    def __init__(self, model, *, optimizer=None, scheduler=None, loss_fn=None, budget=None,
-                 precision="auto", max_grad_norm=None, ladder=None, cache=True, progress=True,
-                 capacity_check=True, allow_split=True, shard=False, batch_dim=None):
-        check_training_options(model=model, precision=precision, loss_fn=loss_fn,
-                               max_grad_norm=max_grad_norm)
+    def __init__(self, model, options: Options):
+        check_model(model)
         # Where the batches' rows are; inside, every batch is row-first (engine/layout.py).
-        self.layout = Layout(batch_dim)
+        self.layout = Layout(options.batch_dim)
         self.layout.check_model(model)
+        self.options = options
+        loss_fn, budget, precision, shard = options.loss_fn, options.budget, options.precision, options.shard
         loss_fn = self.layout.loss_fn(loss_fn)
-        optimizer, scheduler = accelerate.unwrap(optimizer, scheduler)  # what accelerator.prepare returned
-        if not isinstance(shard, bool):
-            raise TypeError(f"shard must be True or False but got {shard!r}.")
-        if shard and isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError("shard=True replaces the model's parameters by their shards, so an optimizer "
-                             "built on them would step tensors no longer trained; pass a factory (e.g. "
-                             "torch.optim.AdamW or lambda params: ...) instead of an instance.")
+        # what accelerator.prepare returned
+        optimizer, scheduler = accelerate.unwrap(options.optimizer, options.scheduler)
         self.shard = shard
         lockstep = open_lockstep(model, shard=shard)  # None unless torch.distributed is initialised
         self.distributed = lockstep is not None
         self.lockstep = lockstep = lockstep or Local(model)
         model = lockstep.module  # under DDP the module it runs (the user's DDP's), no wrapper
-        progress = progress and lockstep.rank == 0
         self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
         self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
-        self.max_grad_norm, self.cache, self.progress = max_grad_norm, cache, progress
-        self.capacity_check = capacity_check
-        if not isinstance(allow_split, bool):
-            raise TypeError(f"allow_split must be True or False but got {allow_split!r}.")
-        self.allow_split, self.coupling = allow_split, None
-        self.user_ladder = None if ladder is None else as_move(ladder)
+        self.max_grad_norm, self.cache = options.max_grad_norm, options.cache
+        self.progress = options.progress and lockstep.rank == 0
+        self.capacity_check = options.capacity_check
+        self.allow_split, self.coupling = options.allow_split, None
+        self.user_ladder = None if options.ladder is None else as_move(options.ladder)
         self.sizes = SizeLog()
         self.controller = self.runner = self.watch = self.memo = self.guide = None
         self.closed = False
