@@ -18,6 +18,7 @@ Callbacks are not restored: they observe every attempt, as they see each one's `
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import numbers
 
@@ -106,17 +107,12 @@ def snapshot(trainer) -> Records:
     return Records(trainer)
 
 
-class kept:
+@contextlib.contextmanager
+def kept(trainer):
     """`with kept(trainer):` leaves the Trainer's records as they were before the block, whatever it
     ran (the capacity check's estimate), also when it raises."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def __enter__(self):
-        self.records = snapshot(self.trainer)
-        return self.records
-
-    def __exit__(self, *exc):
-        self.records.restore()
-        return False
+    records = snapshot(trainer)
+    try:
+        yield records
+    finally:
+        records.restore()
