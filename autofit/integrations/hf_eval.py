@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from autofit.engine.attempt import Attempter, outside, until_fits
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
+from autofit.integrations.hf_records import snapshot
 from autofit.integrations.hf_trainer import raw_optimizer
 
 
@@ -49,6 +50,7 @@ class EvalGuard:
     `self.evaluate`).
 
     What a retry leaves behind is what one evaluation would have: each retry starts from the
+    Trainer's records (hf_records: metrics a subclass's compute_loss collects, the log) and the
     global random generators as the first try found them (the evaluation DataLoader's iterator
     draws its seed from torch's), so the training after it draws the same dropout masks as a run
     without the OOM. The device's peak counter is reset for each evaluation (its own peak); the
@@ -97,14 +99,16 @@ class EvalGuard:
     def evaluate(self, *args, **kwargs):
         self.outside_peak = self.training_peak()
         rng = rng_state()  # every retry starts from it
+        records = snapshot(self.trainer)  # and from the Trainer's records (hf_records)
         self.tries, self.replayed = 0, set()
-        outcome = until_fits(lambda: self._attempt(rng, args, kwargs), self._after_oom)
+        outcome = until_fits(lambda: self._attempt(rng, records, args, kwargs), self._after_oom)
         return outcome.value
 
-    def _attempt(self, rng, args, kwargs):
+    def _attempt(self, rng, records, args, kwargs):
         self.done = 0
         if self.tries:
             set_rng_state(rng)
+            records.restore()
         self.tries += 1
         self.size = self.trainer.args.per_device_eval_batch_size
         self.device.reset_peak_memory_stats()

@@ -3,7 +3,8 @@ is an `engine.attempt` attempt; after one fails, what it held is freed (after it
 the plan steps down the Trainer's ladder (a failure the cache's holes caused first replays the
 same plan once per global step, as training's controller does: gpu/fragmentation), and the next
 attempt restarts from the initial state or
-resumes from a checkpoint this call saved. Used by `autofit.integrations.transformers` (evaluation
+resumes from a checkpoint this call saved, with the Trainer's plain-data records (hf_records) as
+they were at that start or at that save. Used by `autofit.integrations.transformers` (evaluation
 retries are `hf_eval`'s)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from autofit.errors import DoesNotFit
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom
 from autofit.integrations import hf_trainer as hf
+from autofit.integrations.hf_records import snapshot
 from autofit.integrations.hf_trainer import raw_optimizer
 
 log = logging.getLogger("autofit")
@@ -76,6 +78,11 @@ def free_attempt(trainer, owns_optimizer: bool) -> None:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
         trainer.optimizer = optimizer
+        if getattr(trainer, "_created_lr_scheduler", False):
+            # The Trainer made this scheduler for the user's optimizer (its private flag says so): it
+            # goes too, as the flag that would have made the next train() drop it is one of the
+            # records hf_records puts back as the attempt found them.
+            trainer.lr_scheduler = None
     handler = trainer.callback_handler
     handler.optimizer, handler.lr_scheduler = trainer.optimizer, trainer.lr_scheduler
     handler.train_dataloader = None
@@ -116,6 +123,7 @@ def tracker(device, trainer):
             self.losses: dict[str, float | None] = {}  # checkpoint -> loss sum of the run up to it
             self.carried: float | None = 0.0  # loss sum of the run before the current attempt's start
             self.first_step = None             # the global step the run started from
+            self.records: dict = {}  # checkpoint -> the Trainer's records when it was saved (hf_records)
 
         def resume_from(self, checkpoint: str | None) -> None:
             """The next attempt starts from `checkpoint` (one this call saved), or from the start."""
@@ -126,6 +134,7 @@ def tracker(device, trainer):
             self.saved.append(path)
             own = _loss_so_far(trainer)
             self.losses[path] = None if own is None or self.carried is None else self.carried + own
+            self.records[path] = snapshot(trainer)  # a resume from it starts from these
 
         def whole_run_loss(self, output):
             """`output.training_loss` over every step of the run (the Trainer's own covers only
@@ -175,6 +184,7 @@ class TrainAttempts:
         self.owns_optimizer = start.owns_optimizer if start is not None else trainer.optimizer is None
         self.resumable = resumable_checkpoints(trainer.args)
         self.attempts: list = []
+        self.records = snapshot(trainer)  # what a restart puts back (hf_records)
         self.seen = {self.plan}
         self.replayed: set = set()  # (global step, plan) replayed after the cache's holes were freed
         self.attempter = Attempter(device, lambda: (trainer.model, _optimizer(trainer)),
@@ -228,6 +238,9 @@ class TrainAttempts:
         self.seen.add(plan)
         checkpoint = self.saves.latest() if self.resumable else None
         self.saves.resume_from(checkpoint)
+        # The Trainer's records as the next attempt's starting point left them: the failed attempt
+        # leaves no trace on them, and the steps it redoes are recorded once.
+        self.saves.records.get(checkpoint, self.records).restore()
         if checkpoint is not None:
             where = f"resumed from {checkpoint}"
         elif self.origin is not None:

@@ -31,6 +31,7 @@ from autofit.plans.ladder import Move
 from autofit.plans.plan import Plan
 from autofit.estimator.start import cannot_estimate, headroom
 from autofit.engine.step import NoLossError
+from autofit.integrations.hf_records import kept
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
 # What the Trainer path offers instead of optimizer offload (it has none outside DeepSpeed, which
@@ -158,10 +159,13 @@ def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
     `rows`; None when the estimator cannot follow the model (said once in the log)."""
     batch = sample_batch(trainer, rows)
     try:
-        candidates = rank(trainer.model, batch, budget, precision=policy, optimizer=_optimizer(trainer),
-                          loss_fn=_loss_fn(trainer), **headroom(device),
-                          device_type="cuda" if device.type == "cuda" else "cpu",
-                          bf16_supported=device.supports_bf16(), allow_offload=False)
+        # The estimate runs the Trainer's own compute_loss, whose records (a subclass's token count,
+        # metrics waiting to be logged) would keep its fake values: kept as they were.
+        with kept(trainer):
+            candidates = rank(trainer.model, batch, budget, precision=policy, optimizer=_optimizer(trainer),
+                              loss_fn=_loss_fn(trainer), **headroom(device),
+                              device_type="cuda" if device.type == "cuda" else "cpu",
+                              bf16_supported=device.supports_bf16(), allow_offload=False)
     except Exception as error:
         if isinstance(error, NoLossError) or "did not return a loss" in str(error):
             raise _no_loss(trainer, batch) from error
