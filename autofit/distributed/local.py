@@ -15,6 +15,7 @@ class Local:
 
     def __init__(self, model):
         self.module = model
+        self.global_rows = 0  # rows of the last global batch
 
     def scope(self):
         return contextlib.nullcontext(self)

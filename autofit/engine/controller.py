@@ -19,6 +19,7 @@ from autofit.diagnosis.on_device import on_device_predicate
 from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.attempt_log import AttemptLog
+from autofit.engine.interfaces import Guide, Runner
 from autofit.engine.batches import batch_size, row_elements
 from autofit.engine.replay import StartState
 from autofit.engine.withdrawal import Withdrawals
@@ -39,10 +40,10 @@ EXPIRE_AFTER = 100
 
 
 class Controller:
-    def __init__(self, runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
+    def __init__(self, runner: Runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int | None = None,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None, guide=None):
+                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None):
         self.runner, self.ladder = runner, ladder
         # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
         self.guide = guide if guide is not None else Unguided()
@@ -74,7 +75,7 @@ class Controller:
         # LazyLinear) and optimizer state belong to the job, not to the failed attempt: `grows`.
         self.attempter = Attempter(self.device, lambda: (self.model, self.runner.optimizer), grows=True,
                                    free=self._forget_attempt)
-        if not getattr(runner, "distributed", False):  # (a sharded model's own leaves are FSDP's business)
+        if not runner.distributed:  # (a sharded model's own leaves are FSDP's business)
             runner.before_backward = self.start.reached  # leaves outside the model keep their gradients
 
     def _forget_attempt(self) -> None:
@@ -167,9 +168,9 @@ class Controller:
         raised already (then it is the user's code's) or it came from the optimizer step (whose
         partial update only an out-of-memory rollback undoes). None: every other error propagates."""
         before = self._oom_before
-        if before is None or plan == before[0] or plan in self._tried or getattr(self.runner, "distributed", False):
+        if before is None or plan == before[0] or plan in self._tried or self.runner.distributed:
             return None  # (under torch.distributed an error is announced to every rank: it propagates)
-        return self.withdrawals.takes(lambda: str(getattr(self.runner, "phase", "")))
+        return self.withdrawals.takes(lambda: self.runner.phase)
 
     def _withdraw(self, outcome, step: int, global_batch: int) -> bool:
         """The move from the plan before (which ran out of memory) to this one raised another error:
@@ -185,15 +186,13 @@ class Controller:
 
     def _applies(self, plan: Plan):
         """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
-        rule = getattr(self.runner, "not_applicable", None)
-        reason = rule(plan) if rule is not None else None
-        return reason or self.withdrawals.reason(plan)
+        return self.runner.not_applicable(plan) or self.withdrawals.reason(plan)
 
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
         block, while the failed blocks are held."""
         where = self.runner.phase  # the runner's own record of where the attempt was
-        at_failure = getattr(getattr(self.runner, "atomic", None), "failed_at", None)
+        at_failure = self.runner.atomic.failed_at
         held = by_kind(self.device, self.model, self.runner.optimizer)
         return where, held, at_failure
 
@@ -293,7 +292,7 @@ class Controller:
     def _next_down(self, plan: Plan, global_batch: int, where: str = ""):
         """The next plan down: the moves for the phase that failed first (where the runner's phases
         are the same on every rank), skipping moves that do not apply to this job."""
-        phase = where if getattr(self.runner, "phase_steers_ladder", False) else ""
+        phase = where if self.runner.phase_steers_ladder else ""
         taken = next_down(self.ladder, plan, global_batch, phase=phase,
                           applies=self._applies,
                           failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)

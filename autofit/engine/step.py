@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,6 +23,10 @@ from autofit.errors import NoLossError
 from autofit.plans.sizelog import config_of
 from autofit.engine.offload import Offload, to_device
 from autofit.engine.token_loss import weightless
+
+if TYPE_CHECKING:
+    from autofit.engine.interfaces import Device
+    from autofit.plans.plan import Plan
 
 
 def compute_loss(model, batch, loss_fn=None, items=None, keep=None) -> torch.Tensor:
@@ -67,8 +72,10 @@ class StepRunner:
     distributed = False  # one process: a move's error may be withdrawn, outside leaves are walked
     skip_empty = False  # skip a micro-batch whose share is 0 (no label token: its loss is 0/0)
 
-    def __init__(self, model, optimizer, device, *, scheduler=None, loss_fn=None,
-                 count_tokens=None, sync=None, forward=None, max_grad_norm=None, weighting=None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Device, *,
+                 scheduler=None, loss_fn: Callable | None = None, count_tokens: Callable | None = None,
+                 sync: Callable | None = None, forward: Callable | None = None,
+                 max_grad_norm: float | None = None, weighting=None):
         self.model, self.optimizer, self.device = model, optimizer, device
         # token_loss.LossWeighting: how micro losses add up (None: count_tokens' shares, else rows)
         self.weighting = weighting
@@ -144,7 +151,7 @@ class StepRunner:
             self.scaler = scaler
 
     # -- one global batch ----------------------------------------------------------------------
-    def run(self, batch, plan) -> float:
+    def run(self, batch, plan: Plan) -> float:
         """Train on one global batch under `plan`; returns its loss (the weighted mean)."""
         total = self._accumulate(batch, plan)
         self._step(plan)

@@ -20,6 +20,7 @@ import torch
 
 from autofit.engine.batches import batch_size as rows_of
 from autofit.engine.controller import Controller
+from autofit.engine.interfaces import Lockstep
 from autofit.engine.kept import joined
 from autofit.engine.layout import Layout
 from autofit.plans.coupling import Coupling
@@ -56,7 +57,7 @@ log = logging.getLogger("autofit")
 class Training:
     """One training job: see the module's docstring. `progress` also decides step-down logging."""
 
-    def __init__(self, model, options: Options):
+    def __init__(self, model: torch.nn.Module, options: Options):
         check_model(model)
         # Where the batches' rows are; inside, every batch is row-first (engine/layout.py).
         self.layout = Layout(options.batch_dim)
@@ -69,7 +70,8 @@ class Training:
         self.shard = shard
         lockstep = open_lockstep(model, shard=shard)  # None unless torch.distributed is initialised
         self.distributed = lockstep is not None
-        self.lockstep = lockstep = lockstep or Local(model)
+        self.lockstep: Lockstep = lockstep or Local(model)
+        lockstep = self.lockstep
         model = lockstep.module  # under DDP the module it runs (the user's DDP's), no wrapper
         self.model, self.optimizer_given, self.scheduler_given = model, optimizer, scheduler
         self.loss_fn, self.budget, self.precision = loss_fn, budget, precision
