@@ -1,0 +1,35 @@
+"""README's Layout lists the layers in the order their imports follow: a layer imports only from the
+layers listed before it, but for the exceptions README names."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# README's named exceptions: (importing module, imported layer)
+EXCEPTIONS = {("plans/applies", "engine"), ("plans/applies", "distributed"), ("engine/controller", "diagnosis"),
+              ("distributed/lockstep", "recipes"), ("estimator/sharded", "distributed")}
+
+
+def readme_layers() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
+    return re.findall(r"^- \*\*`(\w+)/`", layout, re.M)
+
+
+def test_each_layer_imports_only_the_layers_before_it():
+    order = readme_layers()
+    assert order == ["plans", "gpu", "engine", "estimator", "cache", "diagnosis", "distributed",
+                     "integrations", "tuning", "recipes"]
+    rank = {layer: i for i, layer in enumerate(order)}
+    wrong = []
+    for path in sorted((ROOT / "autofit").glob("*/*.py")):
+        layer, module = path.parent.name, f"{path.parent.name}/{path.stem}"
+        if layer not in rank:
+            continue
+        for node in ast.parse(path.read_text()).body:  # module-level imports: the layering
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autofit."):
+                other = node.module.split(".")[1]
+                if other in rank and rank[other] > rank[layer] and (module, other) not in EXCEPTIONS:
+                    wrong.append(f"{module} imports {node.module}")
+    assert wrong == []
