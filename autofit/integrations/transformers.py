@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from autofit.plans import precision as precisions
 from autofit.gpu.device import open_device
-from autofit.plans.ladder import BUSY_FLOOR, Either, checkpointing, mixed_precision
+from autofit.plans.ladder import ladder_of
 from autofit.plans.plan import Plan
 from autofit.sizes import format_size
 from autofit.estimator.start import tensor_budget
@@ -206,15 +206,10 @@ def _fit(trainer, device, precision: str) -> TrainerPlan:
 # -- train --------------------------------------------------------------------------------------
 
 def _ladder(trainer, rows: int, policy: str, bf16_supported: bool):
-    """autofit.plans.ladder.default_ladder's order, with micro-batches that divide the rows per step and
-    without offload."""
-    moves = [hf.DivisorMicroBatch(rows, BUSY_FLOOR)]
-    if policy == precisions.AUTO:
-        moves.append(mixed_precision(precisions.mixed_for(bf16_supported)))
-    if hf.can_checkpoint(trainer):
-        moves.append(checkpointing())
-    moves.append(hf.DivisorMicroBatch(rows, 1))
-    return Either(*moves)
+    """The ladder's rungs (autofit.plans.ladder.RUNGS) with micro-batches that divide the rows per
+    step, checkpointing where the model can, and without offload."""
+    return ladder_of(policy, bf16_supported, split=lambda floor: hf.DivisorMicroBatch(rows, floor),
+                     checkpoint=hf.can_checkpoint(trainer), offload=False)
 
 
 def train(trainer, budget=None, precision: str = "auto", **train_kwargs) -> TrainerRun:

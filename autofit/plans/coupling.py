@@ -30,8 +30,7 @@ from autofit.plans.ladder import (
     ShrinkMicroBatch,
     checkpointing,
     default_ladder,
-    mixed_precision,
-    offload_optimizer,
+    ladder_of,
     phased,
 )
 from autofit.plans.plan import Plan
@@ -56,13 +55,10 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 
 def whole_first_ladder(sizes, precision: str = precisions.AUTO, bf16_supported: bool = True,
                        allow_split: bool = True) -> Move:
-    """Moves that keep the global batch whole first (bf16 only with precision="auto"), then
-    halving the micro-batch down to 1 unless splitting is forbidden."""
-    steps = [mixed_precision(precisions.mixed_for(bf16_supported))] if precision == precisions.AUTO else []
-    steps += [checkpointing(), offload_optimizer()]
-    if allow_split:
-        steps.append(ShrinkMicroBatch(sizes, floor=1))
-    return phased(Either(*steps))  # the phase's moves keep the batch whole too
+    """The ladder's rungs that keep the global batch whole first (bf16 only with precision="auto"),
+    then halving the micro-batch down to 1 unless splitting is forbidden (ladder.ladder_of)."""
+    return phased(ladder_of(precision, bf16_supported, whole_first=True, allow_split=allow_split,
+                            split=lambda floor: ShrinkMicroBatch(sizes, floor=floor)))  # phases keep it whole too
 
 
 class _KeepWhole(Move):

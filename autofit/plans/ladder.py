@@ -266,18 +266,38 @@ def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_ba
     return None, "", skipped
 
 
-def default_ladder(sizes: SizeLog, precision: str = precisions.AUTO, bf16_supported: bool = True) -> Move:
-    """Exact moves first (accumulation), then cheaper numerics, then recomputation, then offload.
+# -- the ladder: one description, every variant built from it -----------------------------------
 
-    With precision="auto": micro-batch down to BUSY_FLOOR, bf16 autocast (fp16 where bf16 is
-    unsupported), checkpointing, micro-batch down to 1, optimizer offload. A fixed precision never
-    changes.
-    """
-    steps = [ShrinkMicroBatch(sizes, floor=BUSY_FLOOR)]
-    if precision == precisions.AUTO:
-        steps.append(mixed_precision(precisions.mixed_for(bf16_supported)))
-    steps += [checkpointing(), ShrinkMicroBatch(sizes, floor=1), offload_optimizer()]
-    return phased(Either(*steps))
+# The rungs, cheapest first: exact moves first (accumulation down to where a GPU idles), then
+# cheaper numerics, then recomputation, then accumulation down to one row, then offload. Each
+# ladder autofit walks is this order: the default one, the whole-batch-first one (batch-coupled
+# models: every rung that keeps the batch whole, in this order, then the split), the Trainer's
+# (its own micro-batch move, no offload) and the sharded one (FSDP2's moves in front).
+RUNGS = (("split", BUSY_FLOOR), ("precision", None), ("checkpointing", None), ("split", 1), ("offload", None))
+
+
+def ladder_of(precision: str = precisions.AUTO, bf16_supported: bool = True, *, split, whole_first: bool = False,
+              allow_split: bool = True, checkpoint: bool = True, offload: bool = True) -> Either:
+    """The rungs of RUNGS as moves: `split(floor)` the micro-batch move down to `floor` rows; mixed
+    precision only with precision="auto" (fp16 where bf16 is unsupported); `whole_first`: the rungs
+    that keep the batch whole, then the split to 1 row (none without `allow_split`); `checkpoint`,
+    `offload`: whether those rungs are on this ladder."""
+    rungs = [r for r in RUNGS if not (whole_first and r == ("split", BUSY_FLOOR))]
+    if whole_first:
+        rungs = [r for r in rungs if r[0] != "split"] + ([("split", 1)] if allow_split else [])
+    made = {"precision": lambda _: mixed_precision(precisions.mixed_for(bf16_supported))
+            if precision == precisions.AUTO else None,
+            "checkpointing": lambda _: checkpointing() if checkpoint else None,
+            "offload": lambda _: offload_optimizer() if offload else None,
+            "split": split}
+    return Either(*[m for m in (made[name](arg) for name, arg in rungs) if m is not None])
+
+
+def default_ladder(sizes: SizeLog, precision: str = precisions.AUTO, bf16_supported: bool = True) -> Move:
+    """RUNGS in their order, each phase's moves first (`phased`). With precision="auto": micro-batch
+    down to BUSY_FLOOR, bf16 autocast, checkpointing, micro-batch down to 1, optimizer offload. A
+    fixed precision never changes."""
+    return phased(ladder_of(precision, bf16_supported, split=lambda floor: ShrinkMicroBatch(sizes, floor=floor)))
 
 
 def phased(general: Move) -> ByPhase:
