@@ -12,7 +12,7 @@ L = pytest.importorskip("lightning.pytorch")
 import torch.nn.functional as F  # noqa: E402
 
 import autofit  # noqa: E402
-from autofit.integrations.lightning import Autofit, autofit_step  # noqa: E402
+from autofit.integrations.lightning import Autofit, autofit_evaluate, autofit_step  # noqa: E402
 
 ROWS, GLOBAL = 96, 32  # 3 global batches an epoch
 BUDGET = "280KiB"  # Lightning's batch of 32 does not fit; 16 rows do, 17 do not once AdamW has state
@@ -126,3 +126,130 @@ def test_max_steps_stops_at_the_same_step_as_lightning():
     assert fitter.global_step == plain.global_step == 4
     assert len([a for a in callback.attempts if a.outcome == "ok"]) == 4
     assert same(module, reference)
+
+
+def test_a_step_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=3) writes at global steps 3 and 6; a new Trainer fitting
+    from the first ends where the uninterrupted fit ended, starting from the checkpoint's plan (the
+    callback's state): no OOM attempt. load_from_checkpoint gives Lightning's own run at step 3."""
+    tmp_path = tmp_path / "checkpoints"
+    every = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    whole, _ = autofit_fit(Net("step"), callbacks=[every], enable_checkpointing=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    first = str(tmp_path / "epoch=0-step=3.ckpt")
+
+    loaded = Net.load_from_checkpoint(first)
+    at_three = Net("step")
+    lightning_fit(at_three, 16, max_steps=3)
+    assert same(loaded, at_three) and loaded.hparams.interval == "step"
+
+    resumed = Net("step", seed=5)  # other initial weights: the checkpoint's must replace them
+    fitter, callback = autofit_fit(resumed, ckpt_path=first)
+    assert splits(callback) == [(16, "ok")] * 3  # settled from the checkpoint's plan
+    assert fitter.global_step == whole.global_step == 6
+    assert same(resumed, whole.lightning_module)
+    assert fitter.optimizers[0].state_dict()["state"][0]["step"] == 6
+    assert fitter.lr_scheduler_configs[0].scheduler.get_last_lr() == [1e-2 / 8]
+
+
+@pytest.mark.parametrize("options, text", [
+    ({"accumulate_grad_batches": 4}, "Trainer(accumulate_grad_batches=4) accumulates in Lightning's loop; autofit "
+     "chooses the accumulation itself and each batch of the loader is one global batch. Create the Trainer "
+     "without accumulate_grad_batches and give the DataLoader batch_size 4 times larger (the global batch of "
+     "the accumulated run)."),
+    ({"gradient_clip_val": 1.0}, "Trainer(gradient_clip_val=1.0) clips in Lightning's optimizer step, which "
+     "autofit replaces; create the Trainer without it and pass Autofit(max_grad_norm=1.0) (autofit clips the "
+     "norm of the whole accumulated gradient; clipping by value is not offered)."),
+    ({"precision": "bf16-mixed"}, "Trainer(precision='bf16-mixed') wraps training_step in Lightning's own "
+     "precision plugin, around autofit's plan, which owns autocast and the fp16 grad scaler. Create the "
+     "Trainer with precision='32-true' and pass Autofit(precision='bf16') (or 'auto')."),
+    ({"precision": "bf16-true"}, "Trainer(precision='bf16-true') wraps training_step in Lightning's own "
+     "precision plugin, around autofit's plan, which owns autocast and the fp16 grad scaler. Create the "
+     "Trainer with precision='32-true' (autofit's plans train fp32 parameters, with bf16 or fp16 autocast "
+     "when they choose it)."),
+])
+def test_what_lightning_would_add_on_top_of_autofit_is_refused_with_the_fix(options, text):
+    module = Net()
+    with pytest.raises(ValueError) as info:
+        autofit_fit(module, **options)
+    assert str(info.value) == text
+    assert module.automatic_optimization  # refused before anything was switched
+
+
+class TwoOptimizers(Net):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.embed.parameters()), torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+class EverySecondStep(Net):
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
+
+
+@pytest.mark.parametrize("module, text", [
+    (TwoOptimizers(), "configure_optimizers returned 2 optimizers; the Autofit callback steps exactly one (the "
+     "stepper's one optimizer step per global batch)."),
+    (EverySecondStep(), "the StepLR is configured with interval='step', frequency=2; the Autofit callback steps "
+     "a scheduler every optimizer step (interval='step') or every epoch (interval='epoch'), frequency 1."),
+])
+def test_optimizers_and_schedulers_autofit_cannot_step_as_lightning_would_are_refused(module, text):
+    with pytest.raises(ValueError) as info:
+        autofit_fit(module)
+    assert str(info.value) == text
+
+
+def test_a_strategy_on_several_devices_is_refused():
+    from types import SimpleNamespace
+    from autofit.integrations.lightning import check_trainer
+    several = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None, precision="32-true",
+                              strategy=L.strategies.DDPStrategy())
+    with pytest.raises(ValueError, match=r"^the Trainer's strategy is DDPStrategy; the Autofit callback trains on "
+                                         r"one device \(strategy='auto' with devices=1, or SingleDeviceStrategy\)"):
+        check_trainer(several)
+
+
+def test_autofit_step_without_the_callback_says_how_to_add_it():
+    module = Net()
+    module.automatic_optimization = False
+    with pytest.raises(RuntimeError, match=r"^autofit_step needs one Autofit callback on the Trainer but found 0; "
+                                           r"create it with L.Trainer\(callbacks=\[Autofit\(loss_fn=\.\.\.\)\], "):
+        trainer().fit(module, loader(GLOBAL))
+
+
+class Validated(Net):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", autofit_evaluate(self, batch).loss)
+
+
+def test_validation_batches_too_large_for_the_budget_are_evaluated_in_parts():
+    """The sanity check (before training starts) and each epoch's validation take one batch of 96
+    rows, which runs out of memory as it is; autofit_evaluate halves it and gives the whole batch's loss."""
+    module = Validated()
+    callback = Autofit(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False)
+    fitter = trainer(callbacks=[callback], max_epochs=1)
+    with autofit.simulate_gpu(BUDGET) as gpu, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(torch.OutOfMemoryError):
+            with torch.inference_mode():
+                Net.loss(module, next(iter(loader(ROWS))))  # the validation batch as it is
+        fitter.fit(module, loader(GLOBAL), loader(ROWS))
+    assert fitter.global_step == 3
+    with torch.inference_mode():
+        whole = Net.loss(module, next(iter(loader(ROWS)))).item()
+    assert fitter.callback_metrics["val_loss"].item() == pytest.approx(whole, rel=1e-6)
+    assert callback._sizer.size < ROWS  # the sanity check's evaluation (no stepper yet) halved too
+
+
+def test_the_mnist_style_example_runs():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "examples" / "lightning_mnist_style.py"
+    spec = importlib.util.spec_from_file_location("lightning_mnist_style", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    done = example.main(["--rows", "128", "--epochs", "1"])
+    assert done["global_step"] == 2
+    assert done["plan"].describe() == "micro 22 x 3, fp32"
+    assert [(a.plan.micro_batch_size, a.outcome) for a in done["attempts"]] == [(22, "ok"), (23, "oom"), (22, "ok")]

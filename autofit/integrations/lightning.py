@@ -43,6 +43,7 @@ import contextlib
 
 import lightning.pytorch as pl
 
+from autofit.recipes.evaluate import EvalSizer, evaluate
 from autofit.recipes.stepper import stepper
 
 # The Trainer precisions that leave the step to autofit; the plan then chooses fp32, bf16 or fp16.
@@ -68,6 +69,7 @@ class Autofit(pl.Callback):
         self._epoch_scheduler = None
         self._saved = None      # the stepper's state_dict: restored from a checkpoint, or kept at the end
         self.attempts = []      # every attempt of the last fit
+        self._sizer = EvalSizer()  # the evaluation batch size of evaluations outside the stepper
 
     # -- before anything is built: what Lightning would add on top of autofit ---------------------
     def setup(self, trainer, pl_module, stage):
@@ -95,6 +97,15 @@ class Autofit(pl.Callback):
         out = self.step(batch)
         count_optimizer_step(self._trainer)
         return out
+
+    def evaluate(self, module, batch, metric_fn=None):
+        """One validation batch through autofit's evaluation: inference mode, its own batch size and
+        OOM ladder, never the training plan; the stepper's while it is open, else `autofit.evaluate`
+        (Lightning's sanity check runs before on_train_start; `trainer.validate` has no stepper)."""
+        if self.step is not None:
+            return self.step.evaluate([batch], metric_fn=metric_fn)
+        return evaluate(module, [batch], loss_fn=self.options["loss_fn"], budget=self.options["budget"],
+                        metric_fn=metric_fn, sizer=self._sizer)
 
     def on_train_epoch_end(self, trainer, pl_module):
         if self._epoch_scheduler is not None:
@@ -124,12 +135,21 @@ class Autofit(pl.Callback):
 def autofit_step(module, batch):
     """Train one global batch of `module`'s training_step with the trainer's Autofit callback;
     returns autofit's StepOutput (.loss as a float, .plan, .attempts, .grad_norm)."""
-    trainer = module.trainer
-    found = [c for c in trainer.callbacks if isinstance(c, Autofit)]
+    return _callback(module, "autofit_step").train(batch)
+
+
+def autofit_evaluate(module, batch, metric_fn=None):
+    """The loss (and `metric_fn(output, batch)` metrics) of one validation batch in `module`'s
+    validation_step, OOM-proof; returns autofit's EvalResult (.loss, .metrics, .batch_size, .attempts)."""
+    return _callback(module, "autofit_evaluate").evaluate(module, batch, metric_fn)
+
+
+def _callback(module, caller) -> "Autofit":
+    found = [c for c in module.trainer.callbacks if isinstance(c, Autofit)]
     if len(found) != 1:
-        raise RuntimeError(f"autofit_step needs one Autofit callback on the Trainer but found {len(found)}; "
+        raise RuntimeError(f"{caller} needs one Autofit callback on the Trainer but found {len(found)}; "
                            f"create it with L.Trainer(callbacks=[Autofit(loss_fn=...)], ...).")
-    return found[0].train(batch)
+    return found[0]
 
 
 def check_trainer(trainer) -> None:
@@ -202,4 +222,4 @@ def count_optimizer_step(trainer) -> None:
     progress.increment_completed()
 
 
-__all__ = ["Autofit", "autofit_step"]
+__all__ = ["Autofit", "autofit_evaluate", "autofit_step"]
