@@ -131,10 +131,11 @@ def test_max_steps_stops_at_the_same_step_as_lightning():
 def test_a_step_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
     """ModelCheckpoint(every_n_train_steps=3) writes at global steps 3 and 6; a new Trainer fitting
     from the first ends where the uninterrupted fit ended, starting from the checkpoint's plan (the
-    callback's state): no OOM attempt. load_from_checkpoint gives Lightning's own run at step 3."""
+    callback's state; the plan cache is off): no OOM attempt. load_from_checkpoint gives Lightning's own run at step 3."""
     tmp_path = tmp_path / "checkpoints"
     every = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    whole, _ = autofit_fit(Net("step"), callbacks=[every], enable_checkpointing=True)
+    uncached = dict(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False, cache=False)
+    whole, _ = autofit_fit(Net("step"), Autofit(**uncached), callbacks=[every], enable_checkpointing=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
     first = str(tmp_path / "epoch=0-step=3.ckpt")
 
@@ -144,8 +145,8 @@ def test_a_step_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
     assert same(loaded, at_three) and loaded.hparams.interval == "step"
 
     resumed = Net("step", seed=5)  # other initial weights: the checkpoint's must replace them
-    fitter, callback = autofit_fit(resumed, ckpt_path=first)
-    assert splits(callback) == [(16, "ok")] * 3  # settled from the checkpoint's plan
+    fitter, callback = autofit_fit(resumed, Autofit(**uncached), ckpt_path=first)
+    assert splits(callback) == [(16, "ok")] * 3  # settled from the checkpoint's plan (no plan cache here)
     assert fitter.global_step == whole.global_step == 6
     assert same(resumed, whole.lightning_module)
     assert fitter.optimizers[0].state_dict()["state"][0]["step"] == 6
@@ -253,3 +254,21 @@ def test_the_mnist_style_example_runs():
     assert done["global_step"] == 2
     assert done["plan"].describe() == "micro 22 x 3, fp32"
     assert [(a.plan.micro_batch_size, a.outcome) for a in done["attempts"]] == [(22, "ok"), (23, "oom"), (22, "ok")]
+
+
+class ManualAlready(Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False  # Lightning's documented switch, set by the user: accepted
+
+
+def test_with_the_capacity_check_the_fit_starts_where_16_rows_fit():
+    """autofit's defaults but fp32: the estimator picks 16 rows for the first batch (no OOM there),
+    the upward probes fail once each; still Lightning's own run at 16 x 2."""
+    module = ManualAlready()
+    fitter, callback = autofit_fit(module, Autofit(loss_fn=Net.loss, precision="fp32"))
+    assert splits(callback) == [(16, "ok"), (20, "oom"), (16, "ok"), (18, "oom"), (16, "ok"), (16, "ok"),
+                                (16, "ok"), (16, "ok")]
+    reference = Net()
+    plain = lightning_fit(reference, 16)
+    assert same(module, reference) and fitter.global_step == plain.global_step == 6
