@@ -241,6 +241,10 @@ def test_validation_batches_too_large_for_the_budget_are_evaluated_in_parts():
         whole = Net.loss(module, next(iter(loader(ROWS)))).item()
     assert fitter.callback_metrics["val_loss"].item() == pytest.approx(whole, rel=1e-6)
     assert callback._sizer.size < ROWS  # the sanity check's evaluation (no stepper yet) halved too
+    with autofit.simulate_gpu(BUDGET), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        validated = fitter.validate(module, loader(ROWS), verbose=False)  # no stepper: autofit.evaluate
+    assert validated[0]["val_loss"] == pytest.approx(whole, rel=1e-6)
 
 
 def test_the_mnist_style_example_runs():
@@ -272,3 +276,14 @@ def test_with_the_capacity_check_the_fit_starts_where_16_rows_fit():
     reference = Net()
     plain = lightning_fit(reference, 16)
     assert same(module, reference) and fitter.global_step == plain.global_step == 6
+
+
+def test_a_lightning_without_the_step_counter_is_refused():
+    """The one internal the callback uses, checked at setup (before training) on the Trainer given."""
+    from types import SimpleNamespace
+    from autofit.integrations.lightning import step_progress
+    other = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(manual_loop=None)))
+    with pytest.raises(RuntimeError, match=r"^this Lightning \(.+\) has no trainer\.fit_loop\.epoch_loop\."
+                                           r"manual_optimization\.optim_step_progress with increment_ready/"):
+        step_progress(other)
+    assert step_progress(trainer()).total.completed == 0  # this Lightning has it

@@ -76,6 +76,7 @@ class Autofit(pl.Callback):
         if stage != "fit":
             return
         check_trainer(trainer)
+        step_progress(trainer)  # before any training: a Lightning without the counter is refused
         # Lightning reads this switch at each batch; set before the optimizers are configured, so
         # they are configured as manual optimization's are (no step by Lightning).
         pl_module.automatic_optimization = False
@@ -213,11 +214,29 @@ def optimizer_and_scheduler(trainer):
     return optimizers[0], None, config.scheduler
 
 
+# Lightning's internals this module uses (lightning 2.6): the progress of the manual-optimization
+# loop, which `trainer.global_step` reads under manual optimization; its increments are what the
+# LightningOptimizer's `_on_before_step`/`_on_after_step` hooks do for each `step` call.
+STEP_PROGRESS = "fit_loop.epoch_loop.manual_optimization.optim_step_progress"
+
+
+def step_progress(trainer):
+    """Lightning's manual-optimization step counter, or a refusal naming what this Lightning lacks."""
+    found = trainer
+    for name in STEP_PROGRESS.split("."):
+        found = getattr(found, name, None)
+    if not (hasattr(found, "increment_ready") and hasattr(found, "increment_completed")):
+        raise RuntimeError(
+            f"this Lightning ({pl.__version__}) has no trainer.{STEP_PROGRESS} with increment_ready/"
+            f"increment_completed, where the Autofit callback counts its optimizer steps for "
+            f"trainer.global_step; install a lightning the integration knows (2.4-2.6: pip install "
+            f"'autofit[lightning]').")
+    return found
+
+
 def count_optimizer_step(trainer) -> None:
-    """One optimizer step, counted where Lightning's manual loop counts a LightningOptimizer.step
-    (its `_on_before_step`/`_on_after_step` hooks): `trainer.global_step` reads this progress.
-    Lightning internals (lightning 2.4-2.6): fit_loop.epoch_loop.manual_optimization.optim_step_progress."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    """One optimizer step, counted where Lightning's manual loop counts a LightningOptimizer.step."""
+    progress = step_progress(trainer)
     progress.increment_ready()
     progress.increment_completed()
 
