@@ -349,8 +349,11 @@ def lightning_real_bsf(job, make_model, clock, run, init_val=2, steps_per_trial=
     """Lightning's own BatchSizeFinder callback (mode "binsearch", the re-implementation's settings)
     on a LightningModule wrapping the model: the search runs at fit start, restores the model and
     optimizer from its checkpoint file, then the Trainer fits one epoch at the batch size found."""
+    import logging
+
     import lightning.pytorch as L
 
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # its notes on each restore and stop
     data, n = job.data, rows(job.data)
     samples = [{k: v[i] for k, v in data.items()} for i in range(n)]  # views: no allocation
     gpu = autofit.gpu.simulate.active_gpu()

@@ -15,7 +15,7 @@ import autofit  # noqa: E402
 from autofit.integrations.lightning import Autofit, autofit_evaluate, autofit_step  # noqa: E402
 
 ROWS, GLOBAL = 96, 32  # 3 global batches an epoch
-BUDGET = "280KiB"  # Lightning's batch of 32 does not fit; 16 rows do, 17 do not once AdamW has state
+BUDGET = "232KiB"  # Lightning's batch of 32 does not fit; 16 rows do, 17 do not once AdamW has state
 
 
 def halve(plan):
@@ -70,9 +70,10 @@ def trainer(**options):
 def autofit_fit(module, callback=None, ckpt_path=None, **options):
     callback = callback or Autofit(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False)
     fitter = trainer(callbacks=[callback, *options.pop("callbacks", [])], **options)
+    data = loader(GLOBAL)  # host memory: made outside the simulated GPU
     with autofit.simulate_gpu(BUDGET), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on workers and manual-optimization checkpoints
-        fitter.fit(module, loader(GLOBAL), ckpt_path=ckpt_path)
+        fitter.fit(module, data, ckpt_path=ckpt_path)
     return fitter, callback
 
 
@@ -93,15 +94,16 @@ def splits(callback):
     return [(a.plan.micro_batch_size, a.outcome) for a in callback.attempts]
 
 
-# the attempts at 280 KiB: each global batch's upward probe fails and is replayed at 16 rows
+# the attempts at 232 KiB: each global batch's upward probe fails and is replayed at 16 rows
 ATTEMPTS = [(32, "oom"), (16, "ok"), (24, "oom"), (16, "ok"), (20, "oom"), (16, "ok"), (18, "oom"), (16, "ok"),
             (17, "oom"), (16, "ok"), (16, "ok")]
 
 
 def test_lightnings_own_fit_runs_out_of_memory_on_the_budget():
+    data = loader(GLOBAL)
     with autofit.simulate_gpu(BUDGET), warnings.catch_warnings(), pytest.raises(torch.OutOfMemoryError):
         warnings.simplefilter("ignore")
-        trainer().fit(Net(), loader(GLOBAL))
+        trainer().fit(Net(), data)
 
 
 @pytest.mark.parametrize("interval", [None, "step", "epoch"])
@@ -230,20 +232,22 @@ def test_validation_batches_too_large_for_the_budget_are_evaluated_in_parts():
     module = Validated()
     callback = Autofit(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False)
     fitter = trainer(callbacks=[callback], max_epochs=1)
-    with autofit.simulate_gpu(BUDGET) as gpu, warnings.catch_warnings():
+    train, valid = loader(GLOBAL), loader(ROWS)
+    whole_batch = next(iter(valid))
+    with autofit.simulate_gpu(BUDGET), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(torch.OutOfMemoryError):
             with torch.inference_mode():
-                Net.loss(module, next(iter(loader(ROWS))))  # the validation batch as it is
-        fitter.fit(module, loader(GLOBAL), loader(ROWS))
+                Net.loss(module, whole_batch)  # the validation batch as it is
+        fitter.fit(module, train, valid)
     assert fitter.global_step == 3
     with torch.inference_mode():
-        whole = Net.loss(module, next(iter(loader(ROWS)))).item()
+        whole = Net.loss(module, whole_batch).item()
     assert fitter.callback_metrics["val_loss"].item() == pytest.approx(whole, rel=1e-6)
     assert callback._sizer.size < ROWS  # the sanity check's evaluation (no stepper yet) halved too
     with autofit.simulate_gpu(BUDGET), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        validated = fitter.validate(module, loader(ROWS), verbose=False)  # no stepper: autofit.evaluate
+        validated = fitter.validate(module, valid, verbose=False)  # no stepper: autofit.evaluate
     assert validated[0]["val_loss"] == pytest.approx(whole, rel=1e-6)
 
 
@@ -268,11 +272,11 @@ class ManualAlready(Net):
 
 def test_with_the_capacity_check_the_fit_starts_where_16_rows_fit():
     """autofit's defaults but fp32: the estimator picks 16 rows for the first batch (no OOM there),
-    the upward probes fail once each; still Lightning's own run at 16 x 2."""
+    one upward probe (17) fails and the search settles; still Lightning's own run at 16 x 2."""
     module = ManualAlready()
     fitter, callback = autofit_fit(module, Autofit(loss_fn=Net.loss, precision="fp32"))
-    assert splits(callback) == [(16, "ok"), (20, "oom"), (16, "ok"), (18, "oom"), (16, "ok"), (16, "ok"),
-                                (16, "ok"), (16, "ok")]
+    assert splits(callback) == [(16, "ok"), (17, "oom")] + [(16, "ok")] * 5
+    assert callback.attempts[0].reason.startswith("estimated: fastest plan predicted to fit")
     reference = Net()
     plain = lightning_fit(reference, 16)
     assert same(module, reference) and fitter.global_step == plain.global_step == 6
@@ -287,3 +291,16 @@ def test_a_lightning_without_the_step_counter_is_refused():
                                            r"manual_optimization\.optim_step_progress with increment_ready/"):
         step_progress(other)
     assert step_progress(trainer()).total.completed == 0  # this Lightning has it
+
+
+def test_a_batch_that_fits_no_plan_ends_the_fit_with_does_not_fit_and_the_stepper_closed():
+    module = Net()
+    callback = Autofit(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False)
+    data = loader(GLOBAL)
+    with autofit.simulate_gpu("30KiB"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(autofit.DoesNotFit, match=r"^no plan of the ladder fits global batch 32 at step 0"):
+            trainer(callbacks=[callback]).fit(module, data)
+    assert callback.step is None  # the stepper's block was left (on_exception)
+    assert [a.plan.micro_batch_size for a in callback.attempts] == [32, 16, 8, 4, 2, 1]
+    assert same(module, Net())  # no step was applied
