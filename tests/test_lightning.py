@@ -304,3 +304,11 @@ def test_a_batch_that_fits_no_plan_ends_the_fit_with_does_not_fit_and_the_steppe
     assert callback.step is None  # the stepper's block was left (on_exception)
     assert [a.plan.micro_batch_size for a in callback.attempts] == [32, 16, 8, 4, 2, 1]
     assert same(module, Net())  # no step was applied
+
+
+def test_an_option_the_stepper_refuses_ends_the_fit_with_its_own_error():
+    module = Net()
+    callback = Autofit(loss_fn=Net.loss, precision="fp8")
+    with pytest.raises(ValueError, match=r"^precision must be one of auto, fp32, bf16, fp16 but got 'fp8'\.$"):
+        autofit_fit(module, callback)
+    assert callback.step is None and same(module, Net())

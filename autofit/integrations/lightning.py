@@ -46,10 +46,10 @@ import lightning.pytorch as pl
 from autofit.recipes.evaluate import EvalSizer, evaluate
 from autofit.recipes.stepper import stepper
 
-# The Trainer precisions that leave the step to autofit; the plan then chooses fp32, bf16 or fp16.
-NEUTRAL_PRECISIONS = ("32-true", "32")
-# Lightning's precision -> the autofit precision that does the same (for the refusal's fix).
-PLAN_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16": "bf16", "16": "fp16"}
+# The Trainer precision (as Lightning normalises it) that leaves the step to autofit's plan.
+NEUTRAL_PRECISION = "32-true"
+# Lightning's mixed precisions -> the autofit precision that does the same (for the refusal's fix).
+PLAN_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
 class Autofit(pl.Callback):
@@ -83,12 +83,17 @@ class Autofit(pl.Callback):
 
     # -- the stepper's lifetime ---------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module):
-        optimizer, scheduler, self._epoch_scheduler = optimizer_and_scheduler(trainer)
-        self._trainer = trainer
-        self._stack = contextlib.ExitStack()
-        self.step = self._stack.enter_context(stepper(pl_module, optimizer, scheduler=scheduler, **self.options))
-        if self._saved is not None:
-            self.step.load_state_dict(self._saved)
+        optimizer, scheduler, epoch_scheduler = optimizer_and_scheduler(trainer)
+        stack = contextlib.ExitStack()
+        step = stack.enter_context(stepper(pl_module, optimizer, scheduler=scheduler, **self.options))
+        try:
+            if self._saved is not None:
+                step.load_state_dict(self._saved)
+        except BaseException:
+            stack.close()
+            raise
+        # Set once the stepper is open: on_exception closes only a stepper that opened.
+        self._stack, self.step, self._trainer, self._epoch_scheduler = stack, step, trainer, epoch_scheduler
 
     def train(self, batch):
         """One global batch through the stepper, counted as Lightning's one optimizer step."""
@@ -169,7 +174,7 @@ def check_trainer(trainer) -> None:
             f"Autofit(max_grad_norm={trainer.gradient_clip_val}) (autofit clips the norm of the whole "
             f"accumulated gradient; clipping by value is not offered).")
     precision = str(trainer.precision)
-    if precision not in NEUTRAL_PRECISIONS:
+    if precision != NEUTRAL_PRECISION:
         plan = PLAN_PRECISION.get(precision)
         hint = (f" and pass Autofit(precision={plan!r}) (or 'auto')" if plan else
                 " (autofit's plans train fp32 parameters, with bf16 or fp16 autocast when they choose it)")
