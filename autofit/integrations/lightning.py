@@ -1,6 +1,6 @@
 """A LightningModule made OOM-proof: Lightning's manual optimization with autofit's stepper inside.
 
-    from autofit.integrations.lightning import Autofit, autofit_step
+    from autofit.integrations.lightning import Autofit, autofit_evaluate, autofit_step
 
     class Net(L.LightningModule):
         def loss(self, batch):                     # the loss of any part of a batch, a mean over its rows
@@ -10,6 +10,9 @@
         def training_step(self, batch, batch_idx):
             out = autofit_step(self, batch)        # one global batch: split, replayed on OOM, one step
             self.log("train_loss", out.loss)
+
+        def validation_step(self, batch, batch_idx):  # optional: its own batch size and OOM ladder
+            self.log("val_loss", autofit_evaluate(self, batch).loss)
 
     trainer = L.Trainer(callbacks=[Autofit(loss_fn=Net.loss)], max_steps=1000)
 
@@ -21,8 +24,8 @@ The one module that knows Lightning's names. Decisions, with their reasons:
   wrapper, whose every `step` call Lightning counts, and autofit's atomic step and capacity check
   call `step` on the optimizer they are given).
 - `trainer.global_step` counts optimizer steps: Lightning's manual loop counts the wrapper's `step`
-  calls, so after each global batch autofit counts its one step there (a private counter, below);
-  `max_steps`, step-based checkpoints and loggers read it as in an automatic run.
+  calls, so after each global batch autofit counts its one step there (a private counter, below,
+  checked at `setup`); `max_steps`, step-based checkpoints and loggers read it as in an automatic run.
 - The stepper is opened in `on_train_start` (after Lightning has moved the module to its device and
   restored a checkpoint) and closed when training ends or fails; its plan and proven sizes are the
   callback's state in Lightning's checkpoints, so a resumed fit starts settled, with no OOM attempt.
