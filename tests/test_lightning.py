@@ -312,3 +312,17 @@ def test_an_option_the_stepper_refuses_ends_the_fit_with_its_own_error():
     with pytest.raises(ValueError, match=r"^precision must be one of auto, fp32, bf16, fp16 but got 'fp8'\.$"):
         autofit_fit(module, callback)
     assert callback.step is None and same(module, Net())
+
+
+class Watched(Net):
+    def training_step(self, batch, batch_idx):
+        out = autofit_step(self, batch)
+        seen = [(a.plan.micro_batch_size, a.outcome) for a in self.trainer.callbacks[0].attempts]
+        assert seen[-len(out.attempts):] == [(a.plan.micro_batch_size, a.outcome) for a in out.attempts]
+        self.seen = len(seen)
+
+
+def test_the_callbacks_attempts_grow_during_the_fit():
+    module = Watched()
+    _, callback = autofit_fit(module)
+    assert module.seen == len(callback.attempts) == len(ATTEMPTS)

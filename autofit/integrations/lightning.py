@@ -71,7 +71,7 @@ class Autofit(pl.Callback):
         self._trainer = None
         self._epoch_scheduler = None
         self._saved = None      # the stepper's state_dict: restored from a checkpoint, or kept at the end
-        self.attempts = []      # every attempt of the last fit
+        self._attempts = []     # every attempt of the last fit, kept when its stepper closed
         self._sizer = EvalSizer()  # the evaluation batch size of evaluations outside the stepper
 
     # -- before anything is built: what Lightning would add on top of autofit ---------------------
@@ -97,6 +97,11 @@ class Autofit(pl.Callback):
             raise
         # Set once the stepper is open: on_exception closes only a stepper that opened.
         self._stack, self.step, self._trainer, self._epoch_scheduler = stack, step, trainer, epoch_scheduler
+
+    @property
+    def attempts(self) -> list:
+        """Every attempt of this fit so far (of the last fit once it has ended)."""
+        return list(self.step.attempts) if self.step is not None else self._attempts
 
     def train(self, batch):
         """One global batch through the stepper, counted as Lightning's one optimizer step."""
@@ -129,7 +134,7 @@ class Autofit(pl.Callback):
 
     def _close(self, kind, error, traceback):
         step, stack = self.step, self._stack
-        self._saved, self.attempts = step.state_dict(), list(step.attempts)
+        self._saved, self._attempts = step.state_dict(), list(step.attempts)
         self.step = self._stack = self._trainer = self._epoch_scheduler = None
         stack.__exit__(kind, error, traceback)
 
