@@ -133,7 +133,8 @@ def test_max_steps_stops_at_the_same_step_as_lightning():
 def test_a_step_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
     """ModelCheckpoint(every_n_train_steps=3) writes at global steps 3 and 6; a new Trainer fitting
     from the first ends where the uninterrupted fit ended, starting from the checkpoint's plan (the
-    callback's state; the plan cache is off): no OOM attempt. load_from_checkpoint gives Lightning's own run at step 3."""
+    callback's state; the plan cache is off): no OOM attempt. load_from_checkpoint gives Lightning's
+    own run at step 3."""
     tmp_path = tmp_path / "checkpoints"
     every = L.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     uncached = dict(loss_fn=Net.loss, precision="fp32", ladder=halve, capacity_check=False, cache=False)
@@ -326,3 +327,19 @@ def test_the_callbacks_attempts_grow_during_the_fit():
     module = Watched()
     _, callback = autofit_fit(module)
     assert module.seen == len(callback.attempts) == len(ATTEMPTS)
+
+
+def test_a_checkpoint_of_lightnings_own_run_resumes_under_autofit_at_its_step(tmp_path):
+    """Lightning's automatic run (16 x 2) writes a checkpoint at step 3; the fit under autofit resumes
+    from it, counts on from step 3 (its checkpoint is named step=6) and ends as Lightning's own run."""
+    plain_dir, autofit_dir = tmp_path / "plain", tmp_path / "autofit"
+    reference = Net("step")
+    every = L.callbacks.ModelCheckpoint(dirpath=plain_dir, every_n_train_steps=3, save_top_k=-1)
+    lightning_fit(reference, 16, callbacks=[every], enable_checkpointing=True)
+    resumed = Net("step", seed=5)
+    every = L.callbacks.ModelCheckpoint(dirpath=autofit_dir, every_n_train_steps=3, save_top_k=-1)
+    fitter, callback = autofit_fit(resumed, ckpt_path=str(plain_dir / "epoch=0-step=3.ckpt"), callbacks=[every],
+                                   enable_checkpointing=True)
+    assert fitter.global_step == 6 and [p.name for p in autofit_dir.iterdir()] == ["epoch=1-step=6.ckpt"]
+    assert splits(callback) == [(32, "oom"), (16, "ok"), (24, "oom"), (16, "ok"), (20, "oom"), (16, "ok")]
+    assert same(resumed, reference)

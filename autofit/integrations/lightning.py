@@ -87,6 +87,7 @@ class Autofit(pl.Callback):
     # -- the stepper's lifetime ---------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module):
         optimizer, scheduler, epoch_scheduler = optimizer_and_scheduler(trainer)
+        carry_automatic_steps(trainer)  # a checkpoint of Lightning's own (automatic) run keeps its step
         stack = contextlib.ExitStack()
         step = stack.enter_context(stepper(pl_module, optimizer, scheduler=scheduler, **self.options))
         try:
@@ -245,6 +246,24 @@ def step_progress(trainer):
             f"trainer.global_step; install a lightning the integration knows (2.4-2.6: pip install "
             f"'autofit[lightning]').")
     return found
+
+
+# Where an automatic run counts its optimizer steps (what its checkpoints restore):
+# fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer_steps (lightning 2.6).
+AUTOMATIC_STEPS = "fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer_steps"
+
+
+def carry_automatic_steps(trainer) -> None:
+    """A fit resumed from a checkpoint of an automatic-optimization run has its steps in the
+    automatic counter and none in the manual one, which trainer.global_step reads here: carry them
+    over once, so max_steps and step-based checkpoints go on from the checkpoint's step."""
+    done = trainer
+    for name in AUTOMATIC_STEPS.split("."):
+        done = getattr(done, name, 0)
+    progress = step_progress(trainer)
+    if isinstance(done, int) and done > 0 and progress.total.completed == 0:
+        progress.total.ready += done
+        progress.total.completed += done
 
 
 def count_optimizer_step(trainer) -> None:
