@@ -171,6 +171,10 @@ def test_a_step_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
      "precision plugin, around autofit's plan, which owns autocast and the fp16 grad scaler. Create the "
      "Trainer with precision='32-true' (autofit's plans train fp32 parameters, with bf16 or fp16 autocast "
      "when they choose it)."),
+    ({"precision": "64-true"}, "Trainer(precision='64-true') wraps training_step in Lightning's own "
+     "precision plugin, around autofit's plan, which owns autocast and the fp16 grad scaler. Create the "
+     "Trainer with precision='32-true' (autofit's plans train fp32 parameters, with bf16 or fp16 autocast "
+     "when they choose it)."),
 ])
 def test_what_lightning_would_add_on_top_of_autofit_is_refused_with_the_fix(options, text):
     module = Net()
