@@ -1,7 +1,7 @@
 """autofit against the ways people make training fit today, side by side, in one run.
 
     python benchmarks/peers.py [--steps 4] [--global-batch 32] [--seq 64] [--hidden 64] [--no-injected]
-                               [--models bert,gpt2,vit,bart]
+                               [--models bert,gpt2,vit,bart] [--methods autofit,Lightning]
 
 Every method trains the same tiny model from the same initial weights on the same global batches,
 on the same simulated GPU (`autofit.simulate_gpu(budget)`: CPU tensors count against the budget and
@@ -21,10 +21,14 @@ Methods (each builds its model at its own start; the clock starts before that bu
   used as its docs show: the inner function builds the model and optimizer and trains an epoch over
   the data with the batch size it is given; on OOM the decorator shrinks the batch (accelerate 1.15:
   x0.9, earlier releases halved) and calls it again from scratch.
-- Lightning BatchSizeFinder (algorithm re-implemented; Lightning is not installed): mode "binsearch"
-  (double from init_val=2 until an OOM, then binary search between the last success and the first
-  failure), steps_per_trial=3, max_trials=25, model and optimizer restored from a host checkpoint
-  after the search, then one epoch over the data at the batch size found.
+- Lightning BatchSizeFinder (algorithm re-implemented, from before Lightning was installed here): mode
+  "binsearch" (double from init_val=2 until an OOM, then binary search between the last success and
+  the first failure), steps_per_trial=3, max_trials=25, model and optimizer restored from a host
+  checkpoint after the search, then one epoch over the data at the batch size found.
+- Lightning BatchSizeFinder (lightning's own callback, when lightning is installed): the same settings
+  on `lightning.pytorch.callbacks.BatchSizeFinder`, the model wrapped in a LightningModule whose
+  training_step returns its loss and whose DataLoader reads `self.batch_size`; `trainer.fit` runs the
+  search (its checkpoint a file in a temporary folder), then one epoch at the batch size found.
 - Composer-style auto microbatching (re-implemented): device_train_microbatch_size="auto": start with
   the micro-batch = the global batch, halve it on OOM (zero_grad, retry the same global batch),
   micro-batch losses weighted by label tokens (accumulate_train_batch_on_tokens=True, its best mode).
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import inspect
 import os
 import tempfile
@@ -340,6 +345,63 @@ def lightning_bsf(job, make_model, clock, run, init_val=2, steps_per_trial=3, ma
     run.plan = f"batch {job.global_batch} -> {new_size}, {-(-n // new_size)} steps"
 
 
+def lightning_real_bsf(job, make_model, clock, run, init_val=2, steps_per_trial=3, max_trials=25):
+    """Lightning's own BatchSizeFinder callback (mode "binsearch", the re-implementation's settings)
+    on a LightningModule wrapping the model: the search runs at fit start, restores the model and
+    optimizer from its checkpoint file, then the Trainer fits one epoch at the batch size found."""
+    import logging
+
+    import lightning.pytorch as L
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # its notes on each restore and stop
+    data, n = job.data, rows(job.data)
+    samples = [{k: v[i] for k, v in data.items()} for i in range(n)]  # views: no allocation
+    gpu = autofit.gpu.simulate.active_gpu()
+    ooms = []
+    raise_oom = gpu._oom  # the simulated GPU's one place that builds its OOM (as RetryProbe wraps it)
+
+    def counted(*args, **kwargs):
+        ooms.append(1)
+        return raise_oom(*args, **kwargs)
+    gpu._oom = counted
+
+    class Wrapped(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = make_model()
+            self.batch_size = init_val  # what BatchSizeFinder scales
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return clock.attach(adamw(self.model.parameters(), foreach=True))
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(samples, batch_size=self.batch_size, shuffle=False)
+
+    class FitStarts(L.Callback):
+        def on_train_start(self, trainer, module):  # after the search: its steps were undone
+            clock.times.clear()
+
+    finder = L.callbacks.BatchSizeFinder(mode="binsearch", steps_per_trial=steps_per_trial, init_val=init_val,
+                                         max_trials=max_trials)
+    module = Wrapped()
+    with tempfile.TemporaryDirectory(prefix="autofit-peers-lightning-") as root:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="32-true", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, default_root_dir=root, callbacks=[finder, FitStarts()])
+        try:
+            trainer.fit(module)
+        finally:
+            gpu._oom = raise_oom
+            run.ooms = len(ooms)
+    module.model.zero_grad(set_to_none=True)
+    found = finder.optimal_batch_size
+    run.micro = run.effective = found
+    run.plan = f"batch {job.global_batch} -> {found}, {-(-n // found)} steps"
+
+
 def composer_auto(job, make_model, clock, run):
     model = make_model()
     optimizer = clock.attach(adamw(model.parameters(), foreach=True))
@@ -558,14 +620,17 @@ METHODS += [
     ("Composer-style auto microbatching (re-implemented)", composer_auto, {}),
     ("fixed batch (plain loop)", fixed_batch, {}),
 ]
+if importlib.util.find_spec("lightning") is not None:  # beside the re-implementation
+    METHODS.insert(METHODS.index(("Lightning BatchSizeFinder (algorithm re-implemented)", lightning_bsf, {})) + 1,
+                   ("Lightning BatchSizeFinder (lightning's own callback)", lightning_real_bsf, {}))
 
 
-def run_all(job, budget, ref, largest, cache_root, inject_at=None):
+def run_all(job, budget, ref, largest, cache_root, inject_at=None, methods=METHODS):
     """Every method once on this job and budget; (result rows, memory rows)."""
     g = job.global_batch
     results, memory = [], []
     cache_dir = tempfile.mkdtemp(dir=cache_root)
-    for name, method, kwargs in METHODS:
+    for name, method, kwargs in methods:
         if name.startswith("autofit cold"):
             cache_dir = tempfile.mkdtemp(dir=cache_root)  # fresh: nothing learned yet
         os.environ["AUTOFIT_CACHE_DIR"] = cache_dir
@@ -607,6 +672,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-injected", action="store_true", help="skip table 4 (the injected OOM)")
     parser.add_argument("--models", default="bert,gpt2,vit,bart",
                         help=f"comma-separated, from {','.join(JOBS)}")
+    parser.add_argument("--methods", default="",
+                        help="comma-separated words; only the methods whose name contains one of them "
+                             "(default: all)")
     args = parser.parse_args(argv)
     setup()
     started = time.perf_counter()
@@ -632,8 +700,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def chosen_methods(words: str) -> list:
+    """METHODS whose name contains one of the comma-separated words (all of them for none)."""
+    wanted = [w.strip() for w in words.split(",") if w.strip()]
+    chosen = [m for m in METHODS if not wanted or any(w in m[0] for w in wanted)]
+    if not chosen:
+        raise SystemExit(f"--methods {words!r} matches none of: {'; '.join(m[0] for m in METHODS)}")
+    return chosen
+
+
 def measure_all(jobs, args, cache_root):
     g = jobs[0].global_batch
+    methods = chosen_methods(args.methods)
     fit_rows, result_rows, memory_rows, inj_results, inj_memory, inj_rows = [], [], [], [], [], []
     for job in jobs:
         ref = reference(job.build, job.batches, foreach=True)  # full batch, unlimited device
@@ -641,13 +719,13 @@ def measure_all(jobs, args, cache_root):
         for budget in budgets:
             largest = largest_fitting_micro(job, budget)
             fit_rows.append([job.name, mib(budget), mib(peaks["full"]), largest, f"{largest / g:.0%}"])
-            results, memory = run_all(job, budget, ref, largest, cache_root)
+            results, memory = run_all(job, budget, ref, largest, cache_root, methods=methods)
             result_rows += results
             memory_rows += memory
         if not args.no_injected:
             index, held = retaining_fault_index(job)
             inj_rows.append([job.name, index, held])
-            results, memory = run_all(job, None, ref, g, cache_root, inject_at=index)
+            results, memory = run_all(job, None, ref, g, cache_root, inject_at=index, methods=methods)
             inj_results += results
             inj_memory += memory
     return fit_rows, result_rows, memory_rows, inj_rows, inj_results, inj_memory
