@@ -8,7 +8,8 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # README's named exceptions made at module level: (importing module, imported layer). The others
 # README names (distributed/lockstep, estimator/sharded) import inside functions.
-EXCEPTIONS = {("plans/applies", "engine"), ("plans/applies", "distributed"), ("engine/controller", "diagnosis")}
+EXCEPTIONS = {("plans/applies", "engine"), ("plans/applies", "distributed"), ("engine/controller", "diagnosis"),
+              ("integrations/lightning", "recipes")}
 
 
 def readme_layers() -> list[str]:
