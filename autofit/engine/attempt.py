@@ -118,6 +118,8 @@ class Attempter:
         self.holders = holders if holders is not None else (lambda: outside(device, *self.owner())())
         self.grows, self.free, self.catches = grows, free, catches
         self._owned_at = None  # (allocated bytes, owned bytes) when the owner's bytes were last counted
+        # The keys (a global batch and plan, an evaluation batch and size) given their one replay.
+        self.replayed: set = set()
 
     def __call__(self, work, *, inspect=None, peak=None, also=None) -> Outcome:
         """`work()` once; `inspect(error)` reads the failure while it is happening (it must keep
@@ -151,18 +153,22 @@ class Attempter:
         return Outcome(False, error=failure[0], found=failure[1], fragmentation=failure[2], peak=peak_bytes,
                        baseline=baseline, oom=failure[3])
 
-    def fragmented(self, outcome: Outcome, key=None, replayed: set | None = None) -> str | None:
-        """When the cache's holes caused `outcome`'s failure: empty the cache and return the reason
-        to replay the same work (gpu/fragmentation); else None. `replayed`: the keys (a global
-        batch and plan, an evaluation batch and size) already given their one replay; `key` gets
-        None when it is in there, and is added when a replay is given now. The replay is no
-        verdict on the plan: callers record nothing about its size."""
-        if replayed is not None and key in replayed:
+    def replay_once(self, key) -> bool:
+        """The one rule for replaying the same work: each `key` (a global batch and plan, an
+        evaluation batch and size) gets one replay, for whatever reason; True when it gets it now."""
+        if key in self.replayed:
+            return False
+        self.replayed.add(key)
+        return True
+
+    def fragmented(self, outcome: Outcome, key) -> str | None:
+        """When the cache's holes caused `outcome`'s failure and `key` has not had its replay: empty
+        the cache and return the reason to replay the same work (gpu/fragmentation); else None.
+        The replay is no verdict on the plan: callers record nothing about its size."""
+        if key in self.replayed:
             return None
         why = fragmentation.retry_reason(self.device, outcome.fragmentation)
-        if why and replayed is not None:
-            replayed.add(key)
-        return why
+        return why if why and self.replay_once(key) else None
 
     def check(self, baseline: int, owned: int | None = None) -> None:
         """MemoryNotReleased when more than `baseline` (plus CUDA's cached workspaces) stays

@@ -57,7 +57,6 @@ class Controller:
         # What this run proved (sizes that trained a global batch): a failure of one of them is
         # retried once before it counts, since it fitted rows this long before.
         self.proven = SizeLog()
-        self._retried: set = set()        # (step, plan) already given their one retry
         self._failed: list = []           # (plan, length) failures this run recorded, until they expire
         self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
         self._good_steps = 0              # good global steps since the last recorded failure
@@ -226,7 +225,7 @@ class Controller:
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = self.attempter.fragmented(outcome, (step, plan), self._retried)
+        why = self.attempter.fragmented(outcome, (step, plan))
         if why:
             self.next_plan, self.reason = plan, why
             if not self.quiet:
@@ -246,9 +245,8 @@ class Controller:
         once, after release, before the failure counts."""
         proven = self.proven.fit(plan, self.sizes.length)
         if proven is None or proven < min(plan.micro_batch_size, global_batch) \
-                or (step, plan) in self._retried:
+                or not self.attempter.replay_once((step, plan)):
             return False
-        self._retried.add((step, plan))
         self._fallback = None
         self.next_plan = plan
         self.reason = ("retry: this micro-batch trained rows this long before, so the failure may be "

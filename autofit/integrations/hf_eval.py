@@ -67,7 +67,7 @@ class EvalGuard:
         self.outside_peak = 0  # the training's peak before the evaluations of this training attempt
         self.tries = 0  # tries of the current evaluation
         self.size = 0   # its per_device_eval_batch_size
-        self.replayed: set = set()  # sizes of the current evaluation replayed after the cache's holes were freed
+        self.evaluations = 0  # evaluations so far: a replay's key is (evaluation, size)
         # Nothing of the training is dropped (it goes on after the evaluation); what stays above
         # the baseline is named among the tensors that are neither the model's nor its optimizer's.
         self.attempter = Attempter(device, holders=self._holders)
@@ -100,7 +100,8 @@ class EvalGuard:
         self.outside_peak = self.training_peak()
         rng = rng_state()  # every retry starts from it
         records = snapshot(self.trainer)  # and from the Trainer's records (hf_records)
-        self.tries, self.replayed = 0, set()
+        self.tries = 0
+        self.evaluations += 1
         outcome = until_fits(lambda: self._attempt(rng, records, args, kwargs), self._after_oom)
         return outcome.value
 
@@ -123,7 +124,7 @@ class EvalGuard:
     def _after_oom(self, outcome) -> bool:
         size, step = self.size, self.trainer.state.global_step
         self.attempts.append(EvalAttempt(size, "oom", step, self.reason, outcome.error, self.done, outcome.peak))
-        if why := self.attempter.fragmented(outcome, size, self.replayed):  # as autofit.evaluate does
+        if why := self.attempter.fragmented(outcome, (self.evaluations, size)):  # as autofit.evaluate does
             self.reason = why
             return True
         if size <= 1:

@@ -186,7 +186,6 @@ class TrainAttempts:
         self.attempts: list = []
         self.records = snapshot(trainer)  # what a restart puts back (hf_records)
         self.seen = {self.plan}
-        self.replayed: set = set()  # (global step, plan) replayed after the cache's holes were freed
         self.attempter = Attempter(device, lambda: (trainer.model, _optimizer(trainer)),
                                    free=lambda: free_attempt(trainer, self.owns_optimizer),
                                    # DoesNotFit: an evaluation that fits nowhere, not a training OOM
@@ -218,7 +217,7 @@ class TrainAttempts:
                                      memory))
         # As in training's controller: the cache's holes (freed first) replay the same plan once
         # per global step before the ladder steps down.
-        replay = self.attempter.fragmented(outcome, (step, self.plan), self.replayed)
+        replay = self.attempter.fragmented(outcome, (step, self.plan))
         taken = (self.plan, replay) if replay else next_down(self.ladder, self.plan, self.rows,
                                                              failed=self.seen.__contains__)
         if taken is None:

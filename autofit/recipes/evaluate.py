@@ -111,7 +111,6 @@ class _Evaluator:
         self.pace = pace if pace is not None else Alone()
         self.count_tokens = token_counter(model, device) if loss_fn is None else None
         self.reason = first_reason
-        self._retried = set()  # (batch, first sample, rows) replayed after the cache's holes were freed
         self.attempts: list[EvalAttempt] = []
         self.output = None  # the model's output of the current forward, for metric_fn
         self.loss_sum, self.weight_sum, self.samples = 0.0, 0, 0
@@ -211,7 +210,7 @@ class _Evaluator:
         size, index, first = self.trying, cursor.index, cursor.first + cursor.pos
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
         key = (index, first, size)  # as in training: the cache's holes replay the same size once
-        if why := self.attempter.fragmented(outcome, key, self._retried):
+        if why := self.attempter.fragmented(outcome, key):
             self.reason = why
             return True
         new = self.sizer.oom(size)
