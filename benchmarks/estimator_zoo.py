@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the zoo's builders are shared
 
 from models import zoo  # noqa: E402
 
-from autofit.engine.batches import batch_size, token_counter  # noqa: E402
+from autofit.engine.batches import rows_of, token_counter  # noqa: E402
 from autofit.gpu.device import SimulatedDevice  # noqa: E402
 from autofit.estimator.estimate import estimate  # noqa: E402
 from autofit.plans.plan import Plan  # noqa: E402
@@ -59,7 +59,7 @@ def main() -> None:
     logging.getLogger("autofit").setLevel(logging.INFO)
     for name, build in zoo().items():
         model, batch = build(0)
-        plan = Plan(batch_size(batch))
+        plan = Plan(rows_of(batch))
         heard.clear()
         try:
             est = estimate(model, batch, plan, device_type="cpu")

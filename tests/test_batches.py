@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BatchEncoding, XLNetConfig, XLNetLMHeadModel
 
-from autofit.engine.batches import IGNORE_INDEX, batch_size, dataset_batches, slice_batch, split, token_counter, weights
+from autofit.engine.batches import IGNORE_INDEX, rows_of, dataset_batches, slice_batch, split, token_counter, weights
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 Pair = collections.namedtuple("Pair", ["inputs", "targets"])
@@ -27,7 +27,7 @@ def rows(n, width=3):
     BatchEncoding({"input_ids": rows(5), "attention_mask": rows(5)}),
 ])
 def test_batch_size(batch):
-    assert batch_size(batch) == 5
+    assert rows_of(batch) == 5
 
 
 def test_disagreeing_tensors_are_named():
@@ -35,21 +35,21 @@ def test_disagreeing_tensors_are_named():
     with pytest.raises(ValueError, match=re.escape(
             "cannot split the batch along dimension 0: its tensors disagree (batch['input_ids'] has 4, "
             "batch['labels'] has 3); make every tensor's dimension 0 the batch dimension.")):
-        batch_size(batch)
+        rows_of(batch)
     with pytest.raises(ValueError, match=re.escape("(batch[0] has 4, batch[1]['mask'] has 2)")):
-        batch_size((rows(4), {"mask": rows(2)}))
+        rows_of((rows(4), {"mask": rows(2)}))
 
 
 def test_zero_dimensional_tensors_are_named():
     with pytest.raises(ValueError, match=re.escape(
             "batch['scale'] is a 0-dimensional tensor and cannot be split along dimension 0; ")):
-        batch_size({"input_ids": rows(4), "scale": torch.tensor(2.0)})
+        rows_of({"input_ids": rows(4), "scale": torch.tensor(2.0)})
 
 
 @pytest.mark.parametrize("batch, name", [({"a": 1}, "dict"), ([1, 2], "list"), ("text", "str"), (None, "NoneType")])
 def test_a_batch_without_tensors_is_refused(batch, name):
     with pytest.raises(ValueError, match=re.escape(f"the batch holds no tensor (got {name}); ")):
-        batch_size(batch)
+        rows_of(batch)
 
 
 # -- split -------------------------------------------------------------------------------------
@@ -366,12 +366,12 @@ def test_an_ambiguous_field_is_refused_with_its_name():
 
 def test_batch_size_row_elements_weights_agree_on_per_row_fields():
     batch = {"x": rows(4), "np": np.zeros((4, 5)), "ids": ["a", "b", "c", "d"], "meta": ["m"] * 3}
-    assert batch_size(batch) == 4
+    assert rows_of(batch) == 4
     assert row_elements(batch) == 3 + 5  # tensors and numpy arrays; Python lists hold no device memory
     assert [p for p, _ in per_row_fields(batch)] == ["batch['x']", "batch['np']", "batch['ids']"]
     parts = split(batch, 3)
     assert weights(batch, parts) == [0.75, 0.25]
     with pytest.raises(ValueError, match=re.escape("batch['x'] has 4, batch['np'] has 3")):
-        batch_size({"x": rows(4), "np": np.zeros((3, 5))})
+        rows_of({"x": rows(4), "np": np.zeros((3, 5))})
     with pytest.raises(ValueError, match=re.escape("batch['s'] is a 0-dimensional numpy array")):
-        batch_size({"x": rows(4), "s": np.array(1.0)})
+        rows_of({"x": rows(4), "s": np.array(1.0)})

@@ -227,9 +227,9 @@ def _accepted(fn, **kwargs) -> dict:
 
 
 def _check_batch(spec: str, batch) -> None:
-    from autofit.engine.batches import batch_size
+    from autofit.engine.batches import rows_of
     try:
-        batch_size(batch)
+        rows_of(batch)
     except ValueError as e:
         raise ModelSpecError(f"{spec}() returned a sample batch autofit cannot split: {_one_line(e)}") from e
 

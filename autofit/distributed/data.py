@@ -10,7 +10,7 @@ import zlib
 import torch
 
 from autofit.engine.batches import _fields, slice_batch
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 
 ITERABLE, SAMPLED, DATASET = range(3)  # how a rank's data came: batches, a DistributedSampler, a Dataset
 

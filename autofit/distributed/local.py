@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 
 
 class Local:

@@ -106,7 +106,7 @@ from autofit.distributed.fsdp import Sharded, is_sharded
 from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
 from autofit.plans.plan import Plan
 

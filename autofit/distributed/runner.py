@@ -8,7 +8,7 @@ import math
 
 from autofit.distributed.agreement import BACKWARD
 from autofit.distributed.clipping import agreed_prestep
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
 from autofit.engine.token_loss import ITEMS

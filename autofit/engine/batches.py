@@ -83,7 +83,7 @@ def _arrays(batch, path="batch"):
 
 def per_row_fields(batch, path="batch", rows=None):
     """(path, value) for every field split with the rows: arrays and per-row lists."""
-    rows = batch_size(batch) if rows is None else rows
+    rows = rows_of(batch) if rows is None else rows
     if _is_array(batch):
         yield path, batch
     elif isinstance(batch, Mapping):
@@ -98,7 +98,7 @@ def per_row_fields(batch, path="batch", rows=None):
                 yield from per_row_fields(v, f"{path}[{i}]", rows)
 
 
-def batch_size(batch) -> int:
+def rows_of(batch) -> int:
     """Rows along dimension 0, the same for every array (tensor, numpy array) of the batch, else a
     ValueError saying which."""
     sizes = {}
@@ -126,7 +126,7 @@ def row_elements(batch) -> int:
     proven for are kept per row length (`sizelog.SizeLog`). Per-row Python lists hold no device
     memory and count nothing.
     """
-    rows = max(batch_size(batch), 1)
+    rows = max(rows_of(batch), 1)
     return sum(_numel(v) // rows for _, v in per_row_fields(batch, rows=rows) if _is_array(v))
 
 
@@ -139,7 +139,7 @@ def slice_batch(batch, start: int, stop: int, rows: int | None = None):
     whole by all micro-batches. A value holding no array has no rows and comes back as it is."""
     if not _holds_array(batch):
         return batch
-    return _slice(batch, start, stop, batch_size(batch) if rows is None else rows, "batch")
+    return _slice(batch, start, stop, rows_of(batch) if rows is None else rows, "batch")
 
 
 def _slice(batch, start, stop, rows, path):
@@ -160,7 +160,7 @@ def _slice(batch, start, stop, rows, path):
 
 def split(batch, micro_batch_size: int) -> list:
     """Micro-batches of `micro_batch_size` rows; the last one may be shorter."""
-    n = batch_size(batch)
+    n = rows_of(batch)
     return [slice_batch(batch, i, min(i + micro_batch_size, n), n) for i in range(0, n, micro_batch_size)]
 
 
@@ -199,8 +199,8 @@ def weights(batch, parts: list, count_tokens=None) -> list[float]:
                 raise ValueError("the batch has no label token to learn from (every label is -100); "
                                  "drop such batches or check the labels.")
             return [count_tokens(p) / total for p in parts]
-    total = batch_size(batch)
-    return [batch_size(p) / total for p in parts]
+    total = rows_of(batch)
+    return [rows_of(p) / total for p in parts]
 
 
 def dataset_batches(dataset, batch_size_: int):

@@ -20,7 +20,7 @@ from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, until_fits
 from autofit.engine.attempt_log import AttemptLog
 from autofit.engine.interfaces import Guide, Runner
-from autofit.engine.batches import batch_size, row_elements
+from autofit.engine.batches import rows_of, row_elements
 from autofit.engine.replay import StartState
 from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
@@ -84,7 +84,7 @@ class Controller:
     # -- public --------------------------------------------------------------------------------
     def train(self, batch, step: int) -> float:
         """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits."""
-        global_batch = batch_size(batch)
+        global_batch = rows_of(batch)
         self.plan = self.plan.with_micro_batch(self.plan.micro_batch_size, global_batch)
         self.sizes.length = row_elements(batch)
         self._size_for_length(global_batch)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch
+from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch
 from autofit.engine.kept import loss_and_kept
 from autofit.gpu.device import _map_tensors
 
@@ -44,7 +44,7 @@ class Reduction:
 def probe_rows(batch) -> list | None:
     """(row 0, row 1, both) of `batch` for the probe, with labels set as the module docstring says
     when the batch has per-token integer labels; None when the batch has fewer than two rows."""
-    if batch_size(batch) < 2:
+    if rows_of(batch) < 2:
         return None
     both = _map_tensors(slice_batch(batch, 0, 2), lambda t: t.clone())  # a loss_fn may write to its batch
     labels = labels_of(both)

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from autofit.engine.batches import IGNORE_INDEX, batch_size, labels_of, slice_batch, weights
+from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
 from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction
 from autofit.engine.reduction import output_loss as _loss
@@ -107,7 +107,7 @@ def weightless(batch):
 
 def _rows_or_labels(batch):
     counted = label_tokens(False)(batch)
-    return batch_size(batch) if counted is None else counted
+    return rows_of(batch) if counted is None else counted
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def probe_counting(model, batch, device) -> str | None:
     "shifted" (next-token labels), "unshifted", or None (the loss ignores `num_items_in_batch`, or
     the probe could not tell)."""
     labels = labels_of(batch)
-    if labels is None or labels.dim() == 0 or batch_size(batch) < 2:
+    if labels is None or labels.dim() == 0 or rows_of(batch) < 2:
         return None
     try:
         with _probing(model, device) as inner:
@@ -236,7 +236,7 @@ def _probing(model, device):
 
 def _tensors(batch, rows: int) -> dict:
     """The first `rows` rows of a dict batch, tensors only: other fields are the loss_fn's business."""
-    return {k: v for k, v in slice_batch(batch, 0, min(rows, batch_size(batch))).items()
+    return {k: v for k, v in slice_batch(batch, 0, min(rows, rows_of(batch))).items()
             if isinstance(v, torch.Tensor)}
 
 

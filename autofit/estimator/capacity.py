@@ -32,7 +32,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from autofit.engine.batches import batch_size
+from autofit.engine.batches import rows_of
 from autofit.engine.checkpointing import Checkpointing
 from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.estimator.estimate import Estimator, MemoryEstimate
@@ -109,7 +109,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     if max_estimates is not None and (isinstance(max_estimates, bool) or not isinstance(max_estimates, int)
                                       or max_estimates < 1):
         raise ValueError(f"max_estimates must be a positive int or None but got {max_estimates!r}.")
-    global_batch = batch_size(batch)
+    global_batch = rows_of(batch)
     if estimator is None:
         estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
                                    sharding=sharding)

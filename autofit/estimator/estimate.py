@@ -63,7 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autofit.engine.batches import batch_size, slice_batch
+from autofit.engine.batches import rows_of, slice_batch
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
 from autofit.gpu.device import SimulatedDevice, _map_tensors
@@ -269,7 +269,7 @@ class Estimator:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got "
                             f"{loss_fn!r}.")
-        self.rows = batch_size(batch)  # raises on a batch that cannot be split
+        self.rows = rows_of(batch)  # raises on a batch that cannot be split
         self.device_type, self.loss_fn = device_type, loss_fn
         self.estimates = 0  # how many plans were measured
         # A shape environment so that values read from data (`loss.item()`, a mask's row count)

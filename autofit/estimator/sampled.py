@@ -45,8 +45,8 @@ class SampledEstimator(Estimator):
         self.device_type, self.loss_fn, self.estimates = "cpu", loss_fn, 0  # real kernels run
         self.asked_device_type = device_type
         self.full_batch, self.mode, self.model = batch, contextlib.nullcontext(), model
-        from autofit.engine.batches import batch_size
-        self.full_rows = batch_size(batch)
+        from autofit.engine.batches import rows_of
+        self.full_rows = rows_of(batch)
         self.target = tensors[0].device if tensors else torch.device("cpu")
         if isinstance(optimizer, torch.optim.Optimizer):
             self.optimizer = optimizer

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from autofit.engine.batches import batch_size, slice_batch
+from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.step import StepRunner
 from autofit.estimator.data_dependent import Hints
 from autofit.estimator.estimate import Estimator, MemoryEstimate
@@ -266,7 +266,7 @@ class ShardedEstimator(Estimator):
             raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got "
                             f"{loss_fn!r}.")
         check_optimizer(optimizer, model)
-        self.rows = batch_size(batch)
+        self.rows = rows_of(batch)
         self.device_type, self.loss_fn, self.sharding = device_type, loss_fn, sharding
         self.estimates, self._sampled = 0, None
         shape_env = ShapeEnv()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from autofit.engine.batches import batch_size, row_elements
+from autofit.engine.batches import rows_of, row_elements
 from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, usable_bytes
 from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
@@ -119,7 +119,7 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     room = headroom(device)
     calibration = 1.0 if guide is None else guide.calibration
     whole = [] if coupling is None else \
-        [p for p in coupling.whole_plans(batch_size(batch), precision, device.supports_bf16())
+        [p for p in coupling.whole_plans(rows_of(batch), precision, device.supports_bf16())
          if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
@@ -138,7 +138,7 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     if chosen is None:
         leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None
         raise DoesNotFit(
-            f"no plan can fit global batch {batch_size(batch)} on {device.describe()}, checked before "
+            f"no plan can fit global batch {rows_of(batch)} on {device.describe()}, checked before "
             f"training: {needs_message(candidates, budget, calibration=calibration, **room)}",
             breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
             plan=leanest.plan if leanest else None)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.batches import peek, slice_batch
 from autofit.engine.reading import rng_untouched
 

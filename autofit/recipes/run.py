@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.controller import Attempt
 from autofit.recipes.eval_data import check_eval_data
 from autofit.engine.inputs import global_batches

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.controller import Controller
 from autofit.engine.interfaces import Lockstep
 from autofit.engine.kept import joined

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit.plans import precision as precisions
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.batches import token_counter
 from autofit.estimator.capacity import rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost

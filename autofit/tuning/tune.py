@@ -66,7 +66,7 @@ from collections.abc import Iterator
 
 import torch
 
-from autofit.engine.batches import batch_size as rows_of
+from autofit.engine.batches import rows_of
 from autofit.engine.controller import Attempt
 from autofit.gpu.device import open_device
 from autofit.gpu.oom import is_oom, summarize
