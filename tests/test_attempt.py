@@ -240,8 +240,8 @@ def test_next_down_skips_moves_that_do_not_apply_saying_why_once(caplog):
         return "no bf16 on this device" if plan.precision == "bf16" else None
 
     with caplog.at_level(logging.WARNING, logger="autofit"):
-        first = next_down(ladder, Plan(8), 8, applies=applies, said=said)
-        again = next_down(ladder, Plan(8), 8, applies=applies, said=said)
+        first = next_down(ladder, Plan(8), 8, not_applicable=applies, said=said)
+        again = next_down(ladder, Plan(8), 8, not_applicable=applies, said=said)
     assert first == (Plan(8, checkpointing=True),
                      f"{ladder.moves[1].why} ({ladder.moves[0]!r} skipped: no bf16 on this device)")
     assert again == (Plan(8, checkpointing=True), ladder.moves[1].why)

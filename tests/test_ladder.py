@@ -516,7 +516,7 @@ def test_offers_that_do_not_apply_name_their_reason():
     # A ladder of moves that do not apply: each skipped, the first that does is taken.
     from autofit.plans.ladder import step_down
     ladder = Either(mixed_precision("bf16"), checkpointing(), ShrinkMicroBatch(SizeLog()))
-    new, why, skipped = step_down(ladder, P(8), applies=lambda plan: not_applicable(plan, model, adamw,
+    new, why, skipped = step_down(ladder, P(8), not_applicable=lambda plan: not_applicable(plan, model, adamw,
                                                                                       NoBf16()))
     assert new == P(4, 2)
     assert [reason for _, reason in skipped] == [

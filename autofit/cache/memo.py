@@ -71,19 +71,19 @@ class Memo:
                 return entry["calibration"]
         return None
 
-    def recall(self, sizes: SizeLog, applies=None) -> tuple[Plan, dict] | None:
+    def recall(self, sizes: SizeLog, not_applicable=None) -> tuple[Plan, dict] | None:
         """The cached plan and its entry, with the sizes it was proven against loaded into `sizes`.
         A row that cannot be read or contradicts the job (another precision than the one asked
-        for, a plan `applies(plan) -> reason | None` refuses) is ignored with a warning."""
+        for, a plan `not_applicable(plan) -> reason | None` refuses) is ignored with a warning."""
         if not self.enabled:
             return None
         try:
-            return self._recall(sizes, applies)
+            return self._recall(sizes, not_applicable)
         except Exception as error:  # never raises into a run
             log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], error)
             return None
 
-    def _recall(self, sizes: SizeLog, applies) -> tuple[Plan, dict] | None:
+    def _recall(self, sizes: SizeLog, not_applicable) -> tuple[Plan, dict] | None:
         try:
             entry = self.cache.get(self.key)
             plan = self.cache.get_plan(self.key) if entry is not None else None
@@ -95,8 +95,8 @@ class Memo:
         wrong = None
         if self.precision != precisions.AUTO and plan.precision != self.precision:
             wrong = f"its plan is {plan.precision} but this job asks for precision={self.precision!r}"
-        elif applies is not None:
-            wrong = applies(plan)
+        elif not_applicable is not None:
+            wrong = not_applicable(plan)
         if wrong:
             log.warning("plan cache %s: entry %s ignored: %s", self.cache.path, self.key[:12], wrong)
             return None

@@ -54,7 +54,10 @@ class Attempt:
     peak_bytes: int
     step: int = 0           # the global step (0-based) the attempt belonged to
     error: str = ""         # the OOM message, for outcome "oom"
-    where: str = ""         # ladder.PHASES: "copy-in", "forward", "backward", "optimizer.state", "optimizer.step"
+    # Where a failure happened: one of ladder.PHASES ("copy-in", "forward", "backward",
+    # "optimizer.state", "optimizer.step") for autofit's own step; "trainer.train" for the Trainer
+    # integration (its step runs inside transformers); "" for an "ok" attempt or a phase not reached.
+    where: str = ""
     memory: dict = field(default_factory=dict)  # bytes by kind at the failure (+ "step": the
                                                 # optimizer step's own temporaries, for its phases)
     unavailable: dict = field(default_factory=dict)  # {plan field: why turning it on cannot run
@@ -236,17 +239,17 @@ def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
     return _retrying(max_attempts)(_attempt, {"left": True}, once, after_oom)
 
 
-def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", applies=None, failed=None,
+def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", not_applicable=None, failed=None,
               said: set | None = None, quiet: bool = False):
     """(plan, why): the ladder's first step below `plan` (the moves for `phase` first; each move is
-    given the true `global_batch`) that applies to the job (`applies(plan) -> reason | None`) and is
+    given the true `global_batch`) that applies to the job (`not_applicable(plan) -> reason | None`) and is
     not known to fail (`failed(plan)`), walking on past those that are; None when no step is left or
     the moves go round in circles. A move skipped because it does not apply is logged once per
     reason (`said`: the reasons already given) and named in `why`."""
     said = set() if said is None else said
     current, seen = plan, {plan}
     while True:
-        new, why, skipped = step_down(ladder, current, phase, applies, global_batch)
+        new, why, skipped = step_down(ladder, current, phase, not_applicable, global_batch)
         for move, reason in skipped:
             if reason not in said:
                 said.add(reason)

@@ -183,7 +183,7 @@ class Controller:
         self._step_down(before, global_batch, oom_text, where)
         return self.next_plan is not None
 
-    def _applies(self, plan: Plan):
+    def _not_applicable(self, plan: Plan):
         """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
         return self.runner.not_applicable(plan) or self.withdrawals.reason(plan)
 
@@ -221,7 +221,7 @@ class Controller:
         plan, reason, text = self.plan, self.reason, outcome.error
         where, memory = self._breakdown(outcome)
         self._oom_before = (plan, where, text)
-        unavailable = unavailable_changes(plan, self._applies)
+        unavailable = unavailable_changes(plan, self._not_applicable)
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
@@ -292,7 +292,7 @@ class Controller:
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if self.runner.phase_steers_ladder else ""
         taken = next_down(self.ladder, plan, global_batch, phase=phase,
-                          applies=self._applies,
+                          not_applicable=self._not_applicable,
                           failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
         return taken if taken is not None else (None, "")
 

@@ -60,12 +60,12 @@ def per_parameter_problem(optimizer, device) -> str | None:
     return None
 
 
-def unavailable_changes(plan, applies) -> dict[str, str]:
+def unavailable_changes(plan, why_not) -> dict[str, str]:
     """{plan field: why turning it on cannot run for this job} for the changes a diagnosis may
     suggest after a failure under `plan`: mixed precision (none of the registry's applies),
-    checkpointing, optimizer offload, a per-parameter step. `applies` is `not_applicable` bound to
+    checkpointing, optimizer offload, a per-parameter step. `why_not` is `not_applicable` bound to
     the job (a plan -> reason or None); None, or a plan that does not apply itself: nothing known."""
-    if applies is None or applies(plan) is not None:
+    if why_not is None or why_not(plan) is not None:
         return {}
     changes = {
         "precision": [] if precisions.get(plan.precision).mixed else
@@ -81,7 +81,7 @@ def unavailable_changes(plan, applies) -> dict[str, str]:
             else [plan.replace(reduce_each_micro_batch=True)]
     out = {}
     for name, plans in changes.items():
-        reasons = [applies(p) for p in plans]
+        reasons = [why_not(p) for p in plans]
         if reasons and all(reasons):
             out[name] = reasons[0]
     return out

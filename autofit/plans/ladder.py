@@ -247,9 +247,10 @@ def offers(ladder: Move, phase: str = "") -> list[Move]:
     return [ladder]
 
 
-def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_batch: int | None = None):
+def step_down(ladder: Move, plan: Plan, phase: str = "", not_applicable=None,
+              global_batch: int | None = None):
     """(new plan, why, skipped) from the first move that steps `plan` down to a plan that applies to
-    this job; `applies(plan) -> reason | None` says why a plan does not (no repeated blocks to
+    this job; `not_applicable(plan) -> reason | None` says why a plan does not (no repeated blocks to
     checkpoint, no bf16 on this device, ...), and such moves are skipped, listed in `skipped` as
     (move, reason). (None, "", skipped) when no move has a step left. `global_batch`: the batch the
     plan must cover, given to the moves (the plan's own micro-batch x accumulation when None)."""
@@ -258,7 +259,7 @@ def step_down(ladder: Move, plan: Plan, phase: str = "", applies=None, global_ba
         taken = move.take(plan, global_batch)
         if taken is None:
             continue
-        reason = applies(taken[0]) if applies is not None else None
+        reason = not_applicable(taken[0]) if not_applicable is not None else None
         if reason:
             skipped.append((move, reason))
             continue

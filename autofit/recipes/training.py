@@ -152,7 +152,7 @@ class Training:
                 return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
                         f"tuned: chosen of {len(tuned.space)} plan(s) measured "
                         f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
-            recalled = memo.recall(sizes, applies=lambda plan: not_applicable(plan, model, opt, device))
+            recalled = memo.recall(sizes, not_applicable=lambda plan: not_applicable(plan, model, opt, device))
             if recalled is not None:
                 return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
             if self.capacity_check and self.user_ladder is None:
