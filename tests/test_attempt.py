@@ -210,9 +210,9 @@ def test_next_down_hands_each_move_the_global_batch_it_was_given():
     seen = []
 
     class Recording(ShrinkMicroBatch):
-        def step_for(self, plan, global_batch):
+        def step(self, plan, global_batch=None):
             seen.append(global_batch)
-            return super().step_for(plan, global_batch)
+            return super().step(plan, global_batch)
 
     ladder = Either(Recording(SizeLog(), floor=1))
     assert next_down(ladder, Plan(8, 2), 9, failed={Plan(4, 3)}.__contains__) == (Plan(2, 5), ladder.moves[0].why)

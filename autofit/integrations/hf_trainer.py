@@ -258,7 +258,7 @@ class DivisorMicroBatch(Move):
         self.why = (f"halve per_device_train_batch_size and double gradient_accumulation_steps (a "
                     f"divisor of {rows}, not below {floor})")
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         size = smaller_divisor(self.rows, plan.micro_batch_size, self.floor)
         return None if size is None else plan.replace(micro_batch_size=size,
                                                       accumulation_steps=self.rows // size)

@@ -20,7 +20,8 @@ BUSY_FLOOR = 8  # below this a micro-batch rarely keeps a GPU busy; cheaper move
 
 
 class Move:
-    """A step-down. Subclasses implement `step`; `a | b` composes."""
+    """A step-down. Subclasses implement `step(plan, global_batch)`; the ladder calls `take` (the
+    step and its reason); `move(plan)` is the plain function Plan -> Plan | None; `a | b` composes."""
 
     why = "step down"
 
@@ -31,15 +32,13 @@ class Move:
     def take(self, plan: Plan, global_batch: int | None = None) -> tuple[Plan, str] | None:
         """(new plan, reason) or None. `global_batch`: the batch the plan must cover (micro-batch x
         accumulation may exceed it, 8 x 2 covering 9); the plan's own when not given."""
-        new = self.step_for(plan, plan.global_batch if global_batch is None else global_batch)
+        new = self.step(plan, plan.global_batch if global_batch is None else global_batch)
         return None if new is None else (new, self.why)
 
-    def step(self, plan: Plan) -> Plan | None:
+    def step(self, plan: Plan, global_batch: int | None = None) -> Plan | None:
+        """The plan one step down from `plan`, which covers `global_batch` (its own when None; moves
+        that do not split the batch ignore it), or None."""
         raise NotImplementedError
-
-    def step_for(self, plan: Plan, global_batch: int) -> Plan | None:
-        """The step for a plan that covers `global_batch`; moves that do not split it need only `step`."""
-        return self.step(plan)
 
     def __or__(self, other) -> "Move":
         return Either(self, as_move(other))
@@ -75,7 +74,7 @@ class FunctionMove(Move):
         self.fn = fn
         self.why = getattr(fn, "__doc__", None) or getattr(fn, "__name__", "user move")
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         new = self.fn(plan)
         if new is not None and not isinstance(new, Plan):
             raise TypeError(f"move {self.fn!r} returned {new!r}; a move returns a Plan or None.")
@@ -106,10 +105,8 @@ class ShrinkMicroBatch(Move):
         self.sizes, self.floor = sizes, floor
         self.why = f"smaller micro-batch, more accumulation (not below {floor})"
 
-    def step(self, plan):
-        return self.step_for(plan, plan.global_batch)
-
-    def step_for(self, plan, global_batch):
+    def step(self, plan, global_batch=None):
+        global_batch = plan.global_batch if global_batch is None else global_batch
         current = plan.micro_batch_size
         if current <= self.floor:
             return None
@@ -129,7 +126,7 @@ class SetField(Move):
     def __init__(self, name: str, value, why: str):
         self.name, self.value, self.why = name, value, why
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         if getattr(plan, self.name) == self.value:
             return None
         return plan.replace(**{self.name: self.value})
@@ -150,7 +147,7 @@ class _OnlyFromFp32(SetField):
     def __init__(self, dtype):
         super().__init__("precision", dtype, f"{dtype} autocast halves activation memory")
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         return None if precisions.get(plan.precision).mixed else super().step(plan)
 
 
@@ -174,7 +171,7 @@ class _ReshardAfterForward(SetField):
         super().__init__("reshard_after_forward", True, "FSDP2 frees each unit's gathered parameters "
                          "after forward and gathers them again in backward")
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         # Only from an explicit False: None is the model's own setting, never made more expensive.
         return None if plan.reshard_after_forward is not False else super().step(plan)
 
@@ -184,7 +181,7 @@ class _ReduceEachMicroBatch(SetField):
         super().__init__("reduce_each_micro_batch", True, "FSDP2 reduce-scatters each micro-batch's "
                          "gradients into the shards instead of keeping them unsharded until the last")
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         # With one micro-batch, sync off until the last and a reduce-scatter each are the same step.
         return None if plan.accumulation_steps == 1 else super().step(plan)
 

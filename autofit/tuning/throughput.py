@@ -56,7 +56,7 @@ class Stay(Move):
 
     why = "tuning measures one plan as it is"
 
-    def step(self, plan):
+    def step(self, plan, global_batch=None):
         return None
 
 
