@@ -14,6 +14,7 @@ plan that failed; a fix whose plan change cannot run for the job is named as not
 from __future__ import annotations
 
 from autofit.diagnosis.fixes import fixes_for, withheld
+from autofit.plans import switches
 from autofit.plans.coupling import describe as describe_coupling
 from autofit.gpu.memory import format_breakdown
 from autofit.plans import precision as precisions
@@ -37,25 +38,12 @@ def _changes(old, new) -> tuple[list[str], set]:
         words.append(f"{old.precision} -> {new.precision}")
         if not precisions.get(old.precision).mixed:
             keys.add("amp")
-    if new.checkpointing != old.checkpointing:
-        words.append("activation checkpointing " + ("on" if new.checkpointing else "off"))
-        if new.checkpointing:
-            keys.add("checkpointing")
-    if new.offload_optimizer != old.offload_optimizer:
-        where = "to CPU memory" if new.offload_optimizer else "back on the device"
-        words.append(f"optimizer state {where}")
-        if new.offload_optimizer:
-            keys.add("offload")
-    if new.per_parameter_step != old.per_parameter_step:
-        words.append("per-parameter optimizer step " + ("on" if new.per_parameter_step else "off"))
-        if new.per_parameter_step:
-            keys.add("per-parameter-step")
-    if new.reshard_after_forward != old.reshard_after_forward and new.reshard_after_forward is not None:
-        words.append("FSDP2 " + ("reshards after forward" if new.reshard_after_forward
-                                 else "keeps gathered parameters for backward"))
-    if new.reduce_each_micro_batch != old.reduce_each_micro_batch:
-        words.append("FSDP2 " + ("reduce-scatters each micro-batch" if new.reduce_each_micro_batch
-                                 else "syncs gradients on the last micro-batch only"))
+    for switch in switches.SWITCHES:  # each switch's own words (plans/switches.py)
+        value = getattr(new, switch.name)
+        if value != getattr(old, switch.name) and (said := switch.change(value)) is not None:
+            words.append(said)
+            if switch.fix is not None and switch.on(new):
+                keys.add(switch.fix)
     return words, keys
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from autofit.plans import switches
 from autofit.gpu.memory import KINDS
 from autofit.plans import precision as precisions
 from autofit.sizes import format_size
@@ -54,9 +55,9 @@ def _optimizer_leftover(params: int, optimizer: int, other: int) -> str | None:
     return None
 
 
-# The plan field each fix turns on: the key of `Attempt.unavailable` that withholds it.
-PLAN_FIELDS = {"amp": "precision", "checkpointing": "checkpointing", "offload": "offload_optimizer",
-               "per-parameter-step": "per_parameter_step"}
+# The plan field each fix turns on: the key of `Attempt.unavailable` that withholds it (AMP is the
+# precision registry's; the others are the switches' own fix keys, plans/switches.py).
+PLAN_FIELDS = {"amp": "precision", **{s.fix: s.name for s in switches.SWITCHES if s.fix is not None}}
 
 
 def withheld(fixes: list[Fix], unavailable: dict | None) -> list[tuple[Fix, str]]:

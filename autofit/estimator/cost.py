@@ -34,14 +34,16 @@ from __future__ import annotations
 
 from autofit.plans.ladder import BUSY_FLOOR
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.plans.plan import Plan
 from autofit.plans.precision import get as get_precision
 
 MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
-CHECKPOINT_COST = 4 / 3       # one more forward
-OFFLOAD_COST = 3.0            # host update and transfers
-RESHARD_COST = 1.05           # FSDP2: one more all-gather per unit and micro-batch, mostly overlapped
-REDUCE_EACH_COST = 1.08       # FSDP2: a reduce-scatter per micro-batch instead of one per batch
+# Each switch's factor is its entry's in plans/switches.py; named here as the docstring names them.
+CHECKPOINT_COST = switches.get("checkpointing").cost        # one more forward
+OFFLOAD_COST = switches.get("offload_optimizer").cost       # host update and transfers
+RESHARD_COST = switches.get("reshard_after_forward").cost   # FSDP2: one more all-gather, mostly overlapped
+REDUCE_EACH_COST = switches.get("reduce_each_micro_batch").cost  # FSDP2: a reduce-scatter per micro-batch
 
 
 def micro_batch_sizes(global_batch: int) -> list[int]:
@@ -62,14 +64,8 @@ def plan_cost(plan: Plan, global_batch: int) -> float:
         rows += max(last, BUSY_FLOOR) + MICRO_OVERHEAD
     cost = rows / (max(global_batch, BUSY_FLOOR) + MICRO_OVERHEAD)
     cost *= get_precision(plan.precision).cost
-    if plan.checkpointing:
-        cost *= CHECKPOINT_COST
-    if plan.offload_optimizer:
-        cost *= OFFLOAD_COST
-    if plan.reshard_after_forward:
-        cost *= RESHARD_COST
-    if plan.reduce_each_micro_batch and plan.accumulation_steps > 1:
-        cost *= REDUCE_EACH_COST
+    for switch in switches.SWITCHES:
+        cost *= switch.cost_of(plan)
     return cost
 
 

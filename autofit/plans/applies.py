@@ -20,6 +20,7 @@ from __future__ import annotations
 from autofit.distributed.fsdp import plan_problem as fsdp_problem
 from autofit.engine.checkpointing import Checkpointing
 from autofit.engine.offload import offload_problem
+from autofit.plans import switches
 from autofit.plans import precision as precisions
 
 
@@ -67,18 +68,13 @@ def unavailable_changes(plan, why_not) -> dict[str, str]:
     the job (a plan -> reason or None); None, or a plan that does not apply itself: nothing known."""
     if why_not is None or why_not(plan) is not None:
         return {}
-    changes = {
-        "precision": [] if precisions.get(plan.precision).mixed else
-        [plan.replace(precision=name) for name in precisions.mixed_names()],
-        "checkpointing": [] if plan.checkpointing else [plan.replace(checkpointing=True)],
-        "offload_optimizer": [] if plan.offload_optimizer else [plan.replace(offload_optimizer=True)],
-        "per_parameter_step": [] if plan.per_parameter_step else [plan.replace(per_parameter_step=True)],
-    }
-    if plan.reshard_after_forward is not None:  # FSDP2's changes, for a plan of a sharded model
-        changes["reshard_after_forward"] = [] if plan.reshard_after_forward else \
-            [plan.replace(reshard_after_forward=True)]
-        changes["reduce_each_micro_batch"] = [] if plan.reduce_each_micro_batch or plan.accumulation_steps == 1 \
-            else [plan.replace(reduce_each_micro_batch=True)]
+    changes = {"precision": [] if precisions.get(plan.precision).mixed else
+               [plan.replace(precision=name) for name in precisions.mixed_names()]}
+    for switch in switches.SWITCHES:  # each switch turned on as its move would (plans/switches.py)
+        if switch.sharded_only and plan.reshard_after_forward is None:
+            continue  # FSDP2's changes, for a plan of a sharded model only
+        on = switch.turn_on(plan)
+        changes[switch.name] = [] if on is None else [on]
     out = {}
     for name, plans in changes.items():
         reasons = [why_not(p) for p in plans]

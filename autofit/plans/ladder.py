@@ -13,6 +13,7 @@ size that fitted and the smallest that failed, so a run settles on the largest m
 from __future__ import annotations
 
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.plans.plan import Plan
 from autofit.plans.sizelog import SizeLog
 
@@ -123,10 +124,13 @@ class ShrinkMicroBatch(Move):
 class SetField(Move):
     """Switch one plan field to a value (precision, checkpointing, offload) when it is not set yet."""
 
-    def __init__(self, name: str, value, why: str):
+    def __init__(self, name: str, value, why: str, turn_on=None):
         self.name, self.value, self.why = name, value, why
+        self.turn_on = turn_on  # a switch's own rule (plans/switches.py), else: set unless set
 
     def step(self, plan, global_batch=None):
+        if self.turn_on is not None:
+            return self.turn_on(plan)
         if getattr(plan, self.name) == self.value:
             return None
         return plan.replace(**{self.name: self.value})
@@ -151,47 +155,31 @@ class _OnlyFromFp32(SetField):
         return None if precisions.get(plan.precision).mixed else super().step(plan)
 
 
+def switch_on(name: str) -> Move:
+    """The move that turns a plan switch on (plans/switches.py: its rule and its reason)."""
+    switch = switches.get(name)
+    return SetField(switch.name, True, switch.why, turn_on=switch.turn_on)
+
+
 def checkpointing() -> Move:
-    return SetField("checkpointing", True, "activation checkpointing recomputes activations in backward")
+    return switch_on("checkpointing")
 
 
 def offload_optimizer() -> Move:
-    return SetField("offload_optimizer", True, "optimizer state moves to CPU memory")
+    return switch_on("offload_optimizer")
 
 
 def per_parameter_step() -> Move:
-    return SetField("per_parameter_step", True, "the optimizer updates one parameter at a time "
-                    "(a for-loop instead of foreach), so the step's temporaries are one parameter's")
+    return switch_on("per_parameter_step")
 
 
-# -- FSDP2's own moves (a model sharded with fully_shard; plans.applies refuses them elsewhere) ----
-
-class _ReshardAfterForward(SetField):
-    def __init__(self):
-        super().__init__("reshard_after_forward", True, "FSDP2 frees each unit's gathered parameters "
-                         "after forward and gathers them again in backward")
-
-    def step(self, plan, global_batch=None):
-        # Only from an explicit False: None is the model's own setting, never made more expensive.
-        return None if plan.reshard_after_forward is not False else super().step(plan)
-
-
-class _ReduceEachMicroBatch(SetField):
-    def __init__(self):
-        super().__init__("reduce_each_micro_batch", True, "FSDP2 reduce-scatters each micro-batch's "
-                         "gradients into the shards instead of keeping them unsharded until the last")
-
-    def step(self, plan, global_batch=None):
-        # With one micro-batch, sync off until the last and a reduce-scatter each are the same step.
-        return None if plan.accumulation_steps == 1 else super().step(plan)
-
-
+# FSDP2's own moves (a model sharded with fully_shard; plans.applies refuses them elsewhere)
 def reshard_after_forward() -> Move:
-    return _ReshardAfterForward()
+    return switch_on("reshard_after_forward")
 
 
 def reduce_each_micro_batch() -> Move:
-    return _ReduceEachMicroBatch()
+    return switch_on("reduce_each_micro_batch")
 
 
 def sharded(ladder: Move) -> Move:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from autofit.plans import precision as precisions
 from autofit.plans.precision import EXACT
+from autofit.plans import switches
 
 
 def _positive(name: str, value) -> None:
@@ -92,14 +93,5 @@ class Plan:
 
     def describe(self) -> str:
         parts = [f"micro {self.micro_batch_size} x {self.accumulation_steps}", self.precision]
-        if self.checkpointing:
-            parts.append("checkpointing")
-        if self.offload_optimizer:
-            parts.append("offload")
-        if self.per_parameter_step:
-            parts.append("per-parameter step")
-        if self.reshard_after_forward is not None:
-            parts.append("reshard after forward" if self.reshard_after_forward else "gathered params kept for backward")
-        if self.reduce_each_micro_batch:
-            parts.append("reduce-scatter per micro-batch")
+        parts += [w for s in switches.SWITCHES if (w := s.label(getattr(self, s.name))) is not None]
         return ", ".join(parts)

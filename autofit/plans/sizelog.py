@@ -10,18 +10,17 @@ import math
 from dataclasses import dataclass, field
 
 from autofit.plans.plan import Plan
+from autofit.plans import switches
 
 
 def config_of(plan: Plan) -> tuple:
     """What a micro-batch size's memory depends on besides the size itself and the batch's rows.
     (A per-parameter step and FSDP2's settings are appended only when set, so keys cached before
     them stay the same.)"""
-    key = (plan.precision, plan.checkpointing, plan.offload_optimizer)
-    key += ("per-parameter step",) if plan.per_parameter_step else ()
-    # FSDP2's settings change what a unit holds (its gathered parameters, its unsharded gradients)
-    if plan.reshard_after_forward is not None:
-        key += ("reshard after forward" if plan.reshard_after_forward else "kept gathered",)
-    return key + ("reduce-scatter per micro-batch",) if plan.reduce_each_micro_batch else key
+    key = (plan.precision,)
+    for switch in switches.SWITCHES:  # each switch's own part of the key (plans/switches.py)
+        key += switch.config(getattr(plan, switch.name))
+    return key
 
 
 EVERY = None  # a length not given: a record or a question about every length

@@ -1,0 +1,119 @@
+"""The plan's switches, one entry each: what turning one on means everywhere autofit words or weighs it.
+
+A switch is a Plan field a step-down turns on (checkpointing, offload, a per-parameter optimizer
+step, FSDP2's two settings); precision has its own registry (plans/precision.py) and the
+micro-batch is the ladder's split. Each entry says, in one place:
+- `turn_on(plan)`: the plan with it on, or None when it cannot be turned on from `plan` (already on,
+  or a setting it only changes from a given value). The ladder's move and the diagnosis's "what
+  else could have helped" are both this function.
+- `why`: the move's reason in the log; `cost`: the step-time factor when on (estimator/cost.py);
+- `label(value)`: the words of Plan.describe (None: nothing said);
+- `config(value)`: its part of the size log's configuration key (plans/sizelog.py; kept as it was
+  for each switch, so keys cached before stay the same);
+- `change(value)`: how explain words the switch turned to `value`, and `fix`: the key of the fix it
+  applies (diagnosis/fixes.py), when it is one.
+How a step applies a switch stays with what it switches (engine/checkpointing, engine/offload,
+engine/step for the per-parameter step, distributed/fsdp for FSDP2's), as does the estimator's
+reading of it: those are behaviours, not words.
+
+Adding a switch: a Plan field with its default, and one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    why: str
+    cost: float
+    turn_on: Callable
+    label: Callable
+    config: Callable
+    change: Callable
+    fix: str | None = None
+    sharded_only: bool = False  # FSDP2's: applies only to a model sharded with fully_shard
+    charged: Callable | None = None  # plan -> whether `cost` applies (None: whenever it is on)
+
+    def on(self, plan) -> bool:
+        return bool(getattr(plan, self.name))
+
+    def cost_of(self, plan) -> float:
+        """The step-time factor this switch adds to `plan`."""
+        charged = self.charged(plan) if self.charged is not None else self.on(plan)
+        return self.cost if charged else 1.0
+
+
+def _simple(name):
+    """turn_on for a switch that is off or on: on, unless it is on already."""
+    return lambda plan: None if getattr(plan, name) else plan.replace(**{name: True})
+
+
+def _reshard_on(plan):
+    # Only from an explicit False: None is the model's own setting, never made more expensive.
+    return plan.replace(reshard_after_forward=True) if plan.reshard_after_forward is False else None
+
+
+def _reduce_each_on(plan):
+    # With one micro-batch, sync off until the last and a reduce-scatter each are the same step.
+    if plan.reduce_each_micro_batch or plan.accumulation_steps == 1:
+        return None
+    return plan.replace(reduce_each_micro_batch=True)
+
+
+SWITCHES = (
+    Switch("checkpointing", "activation checkpointing recomputes activations in backward",
+           cost=4 / 3,  # one more forward (forward is about a third of a step)
+           turn_on=_simple("checkpointing"),
+           label=lambda v: "checkpointing" if v else None,
+           config=lambda v: (v,),
+           change=lambda v: "activation checkpointing " + ("on" if v else "off"),
+           fix="checkpointing"),
+    Switch("offload_optimizer", "optimizer state moves to CPU memory",
+           cost=3.0,  # the update runs on the host; parameters and gradients copied each step
+           turn_on=_simple("offload_optimizer"),
+           label=lambda v: "offload" if v else None,
+           config=lambda v: (v,),
+           change=lambda v: "optimizer state " + ("to CPU memory" if v else "back on the device"),
+           fix="offload"),
+    Switch("per_parameter_step", "the optimizer updates one parameter at a time (a for-loop instead "
+           "of foreach), so the step's temporaries are one parameter's",
+           cost=1.0,  # the same work, one parameter after another
+           turn_on=_simple("per_parameter_step"),
+           label=lambda v: "per-parameter step" if v else None,
+           config=lambda v: ("per-parameter step",) if v else (),
+           change=lambda v: "per-parameter optimizer step " + ("on" if v else "off"),
+           fix="per-parameter-step"),
+    Switch("reshard_after_forward", "FSDP2 frees each unit's gathered parameters after forward and "
+           "gathers them again in backward",
+           cost=1.05,  # one more all-gather per unit and micro-batch, mostly overlapped
+           turn_on=_reshard_on,
+           label=lambda v: None if v is None else
+           ("reshard after forward" if v else "gathered params kept for backward"),
+           # what a unit holds: its gathered parameters kept or not
+           config=lambda v: () if v is None else ("reshard after forward" if v else "kept gathered",),
+           change=lambda v: None if v is None else
+           "FSDP2 " + ("reshards after forward" if v else "keeps gathered parameters for backward"),
+           sharded_only=True),
+    Switch("reduce_each_micro_batch", "FSDP2 reduce-scatters each micro-batch's gradients into the "
+           "shards instead of keeping them unsharded until the last",
+           cost=1.08,  # a reduce-scatter per extra micro-batch, at the end of its backward
+           turn_on=_reduce_each_on,
+           label=lambda v: "reduce-scatter per micro-batch" if v else None,
+           config=lambda v: ("reduce-scatter per micro-batch",) if v else (),
+           change=lambda v: "FSDP2 " + ("reduce-scatters each micro-batch" if v
+                                        else "syncs gradients on the last micro-batch only"),
+           sharded_only=True,
+           charged=lambda plan: plan.reduce_each_micro_batch and plan.accumulation_steps > 1),
+)
+BY_NAME = {s.name: s for s in SWITCHES}
+
+
+def get(name: str) -> Switch:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"no plan switch {name!r}; the switches are {', '.join(BY_NAME)}.") from None
