@@ -14,9 +14,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-import autofit  # noqa: E402
 from common import table  # noqa: E402
-from meter import allocator_peak  # noqa: E402
+from meter import both_peaks  # noqa: E402
 from reference import bert, cls_batches, gpt2, lm_batches  # noqa: E402
 
 
@@ -33,33 +32,11 @@ CASES = [
 ]
 
 
-def step_of(model, optimizer, batch, loss_fn):
-    def step():
-        loss_fn(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
 def main():
     rows = []
     for name, make, batch, loss_fn in CASES:
         for optimizer in (torch.optim.SGD, torch.optim.AdamW):
-            model = make()
-            step = step_of(model, optimizer(model.parameters(), lr=1e-3), batch, loss_fn)
-            step()
-            measured = allocator_peak(step)
-            model = make()
-            opt = optimizer(model.parameters(), lr=1e-3)
-            with autofit.simulate_gpu() as gpu:
-                for t in list(model.parameters()) + list(model.buffers()):
-                    t.data = t.data.clone()
-                step = step_of(model, opt, batch, loss_fn)
-                step()
-                before = gpu.memory_allocated()
-                gpu.reset_peak_memory_stats()
-                step()
-                simulated = gpu.max_memory_allocated() - before
+            measured, simulated = both_peaks(make, optimizer, batch, loss_fn)
             rows.append([name, optimizer.__name__, measured, simulated, measured - simulated])
     print(table(["model", "optimizer", "c10 allocator peak (B)", "simulated GPU peak (B)", "difference (B)"], rows))
 

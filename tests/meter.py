@@ -1,6 +1,7 @@
 """An independent meter of a CPU step's memory: c10's CPU allocator as torch.profiler reports it
-(`profile_memory=True`: one event per allocation and per free, with its bytes). No autofit code
-inside: it checks the simulated GPU's counter, which the estimator shares."""
+(`profile_memory=True`: one event per allocation and per free, with its bytes). `allocator_peak`
+uses no autofit code: it checks the simulated GPU's counter, which the estimator shares;
+`both_peaks` runs the same step under both."""
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -24,3 +25,32 @@ def allocator_peak(work) -> int:
         live += rounded(n) if n > 0 else -rounded(-n)
         peak = max(peak, live)
     return peak
+
+
+def both_peaks(make, optimizer_class, batch, loss_fn) -> tuple[int, int]:
+    """(c10 allocator's peak, the simulated GPU's peak) of the same plain training step, the second
+    one (the optimizer's state made by the first), each on a fresh `make()` model."""
+    import autofit  # only for the simulated side
+
+    def step_of(model):
+        optimizer = optimizer_class(model.parameters(), lr=1e-3)
+
+        def step():
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step
+    step = step_of(make())
+    step()
+    measured = allocator_peak(step)
+    model = make()
+    with autofit.simulate_gpu() as gpu:
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()  # the model on the simulated GPU, as a run places it
+        step = step_of(model)
+        step()
+        before = gpu.memory_allocated()
+        gpu.reset_peak_memory_stats()
+        step()
+        simulated = gpu.max_memory_allocated() - before
+    return measured, simulated

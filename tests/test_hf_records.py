@@ -18,6 +18,7 @@ import autofit
 from autofit.integrations import hf_records
 from autofit.integrations.transformers import fit_trainer, train
 from models import bert_batch, tiny_bert
+from test_integration_transformers import StopAt  # noqa: E402
 
 ROWS, SEQ = 64, 16
 CALLS: list = []  # every compute_loss call, kept outside the Trainer: the estimate's calls show here
@@ -92,15 +93,6 @@ class FailInEvaluation(TrainerCallback):
         if state.global_step == self.step:
             self.gpu.fail_at(self.gpu.allocation_count + 3)
             self.step = None
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def make(tmp_path, name, per=16, accum=2, save="no", callbacks=(), eval_dataset=None, **extra):

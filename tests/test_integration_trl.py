@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, T
 
 import autofit  # noqa: E402
 from autofit.integrations.transformers import fit_trainer, train  # noqa: E402
+from test_integration_transformers import StopAt  # noqa: E402
 
 VOCAB, SEQ, ROWS = 100, 8, 32
 BUDGET = "64MiB"  # the estimator's fastest plan is the whole batch of 16
@@ -82,15 +83,6 @@ class FailAt(TrainerCallback):
             self.step, self.armed = None, True
             if not self.late:
                 self._fail()
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def params(trainer):

@@ -5,22 +5,13 @@ training step, after a first step made the optimizer state, peaks at the same by
 import pytest
 import torch
 
-import autofit
-from meter import allocator_peak
+from meter import both_peaks
 from reference import bert, cls_batches
 
 
 def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 3))
-
-
-def plain_step(model, optimizer, batch, loss_fn):
-    def step():
-        loss_fn(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
 
 
 CASES = {
@@ -34,21 +25,5 @@ CASES = {
                                              ("bert", torch.optim.AdamW)])
 def test_the_simulated_gpu_peaks_where_c10s_allocator_peaks(name, optimizer):
     make, batch, loss_fn = CASES[name]
-    model = make()
-    opt = optimizer(model.parameters(), lr=1e-3)
-    step = plain_step(model, opt, batch, loss_fn)
-    step()  # the optimizer's state exists, as from a run's second step
-    measured = allocator_peak(step)
-
-    model = make()
-    opt = optimizer(model.parameters(), lr=1e-3)
-    with autofit.simulate_gpu() as gpu:
-        for t in list(model.parameters()) + list(model.buffers()):
-            t.data = t.data.clone()  # the model on the simulated GPU, as a run places it
-        step = plain_step(model, opt, batch, loss_fn)
-        step()
-        before = gpu.memory_allocated()
-        gpu.reset_peak_memory_stats()
-        step()
-        simulated = gpu.max_memory_allocated() - before
+    measured, simulated = both_peaks(make, optimizer, batch, loss_fn)
     assert simulated == measured > 0
