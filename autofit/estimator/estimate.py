@@ -380,7 +380,7 @@ class Estimator:
         repeated = getattr(self, "_repeated", False)
         return repeated.measure(plan) if repeated else None
 
-    def _meter(self) -> "_Meter":
+    def _new_meter(self) -> "_Meter":
         return _Meter()
 
     def _counting_mode(self, meter) -> _CountingMode:
@@ -437,7 +437,7 @@ class Estimator:
         return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
 
     def _measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
-        meter = self._meter()
+        meter = self._new_meter()
         meter.allocator.limit = limit
         device = self._device(meter)
         numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as

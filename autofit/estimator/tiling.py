@@ -277,7 +277,7 @@ class _CutEstimator(Estimator):
         self._phases = None
         self._repeated = False  # the cut copy itself is walked whole
 
-    def _meter(self):
+    def _new_meter(self):
         meter = _TracingMeter(self.block_of)
         self._phases = _Phases(meter, self.blocks)
         return meter
