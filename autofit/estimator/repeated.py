@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import OrderedDict
 
 import torch
 
@@ -72,7 +73,8 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, int] | None:
     """(the path of the list of alike blocks with the most parameters, its length), or None."""
     best, best_size = None, 0
     for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= MIN_BLOCKS:
+        # The lists themselves, not subclasses: the cut copy is a new list of the same type.
+        if type(module) in (torch.nn.ModuleList, torch.nn.Sequential) and len(module) >= MIN_BLOCKS:
             size = sum(p.numel() for p in module.parameters())
             if size > best_size and alike(module):
                 best, best_size = (name, len(module)), size
@@ -82,7 +84,7 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, int] | None:
 def cut_fake_model(model: torch.nn.Module, path: str, keep: int) -> tuple[torch.nn.Module, dict]:
     """A fake copy of `model` (call under a FakeTensorMode) whose block list at `path` holds its
     first `keep` blocks only; {id(real tensor): fake} for the tensors the copy holds. The model is
-    read, never changed: the list's copy is made by hand and given to deepcopy through its memo."""
+    read, never changed: a new list of the copied blocks is given to deepcopy through its memo."""
     blocks = model.get_submodule(path)
     memo: dict = {}
     fakes: dict = {}
@@ -92,9 +94,11 @@ def cut_fake_model(model: torch.nn.Module, path: str, keep: int) -> tuple[torch.
     for t in tensors:
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)
-    cut = object.__new__(type(blocks))
-    vars(cut).update(copy.deepcopy({k: v for k, v in vars(blocks).items() if k != "_modules"}, memo))
-    cut._modules = {k: copy.deepcopy(v, memo) for k, v in itertools.islice(blocks._modules.items(), keep)}
+    kept = [(name, copy.deepcopy(child, memo))
+            for name, child in itertools.islice(blocks.named_children(), keep)]
+    cut = torch.nn.Sequential(OrderedDict(kept)) if type(blocks) is torch.nn.Sequential \
+        else torch.nn.ModuleList(child for _, child in kept)
+    cut.training = blocks.training
     memo[id(blocks)] = cut
     copied = copy.deepcopy(model, memo)
     held = {id(t) for t in itertools.chain(copied.parameters(), copied.buffers())}
