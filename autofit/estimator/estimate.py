@@ -157,6 +157,9 @@ class _Meter(SimulatedGPU):
         self.refused = need
         return super()._oom(need, injected)
 
+    def finish(self) -> None:
+        """The step's figures have been read (a tracing meter stops recording here)."""
+
     def start(self) -> None:
         self.allocator.reset_peak()
         self.top = self.outer_top = self._allocated
@@ -260,7 +263,8 @@ class Estimator:
     """Fake copies of a model, its optimizer (with state) and a batch, made once; `measure(plan)`
     runs one step per plan. `estimate()` is one plan; `autofit.estimator.capacity.rank` measures many."""
 
-    def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda"):
+    def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
+                 derive_repeated: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
         if device_type not in DEVICE_TYPES:
@@ -291,6 +295,8 @@ class Estimator:
             return
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
+        # Alike blocks walked through 3 of them (autofit.estimator.tiling): None until looked for.
+        self._repeated = None if derive_repeated else False
 
     def forget_source(self) -> None:
         """Drop the caller's model, batch and optimizer, kept only to measure on real rows: an
@@ -353,7 +359,9 @@ class Estimator:
             cached = len(FakeTensorMode.cache)
             try:
                 with self._quiet():
-                    estimate = self._measure(plan, after, limit)
+                    estimate = self._derived(plan) if after is None and limit is None else None
+                    if estimate is None:
+                        estimate = self._measure(plan, after, limit)
             except Exception as error:
                 self._sample(error)
             finally:
@@ -362,6 +370,21 @@ class Estimator:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
         return estimate
+
+    def _derived(self, plan: Plan) -> MemoryEstimate | None:
+        """`plan`'s estimate derived from a walk through 3 of the model's alike blocks, or None
+        where the model has none or the derivation does not hold (then it is walked whole)."""
+        if getattr(self, "_repeated", False) is None:
+            from autofit.estimator.tiling import Repeated  # built on this module
+            self._repeated = Repeated.of(self) or False
+        repeated = getattr(self, "_repeated", False)
+        return repeated.measure(plan) if repeated else None
+
+    def _new_meter(self) -> "_Meter":
+        return _Meter()
+
+    def _counting_mode(self, meter) -> _CountingMode:
+        return _CountingMode(meter)
 
     def _over_limit(self, plan: Plan, meter) -> MemoryEstimate:
         """The estimate of a replay that ran out of the allocator model's limit: its reserved peak
@@ -414,7 +437,7 @@ class Estimator:
         return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
 
     def _measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
-        meter = _Meter()
+        meter = self._new_meter()
         meter.allocator.limit = limit
         device = self._device(meter)
         numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
@@ -432,7 +455,7 @@ class Estimator:
         attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
-            with self.mode, attention, _CountingMode(meter):
+            with self.mode, attention, self._counting_mode(meter):
                 with meter.as_kind("params"):
                     meter.track(params)
                 if after is None:
@@ -459,6 +482,7 @@ class Estimator:
                     # Read before close(): bringing offloaded state back is the end of a run.
                     peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
                     reserved = meter.allocator.max_reserved
+                    meter.finish()
                     self.last_meter = meter  # what autofit.estimator.sampled extrapolates
                 finally:
                     runner.close()

@@ -71,22 +71,26 @@ def check_optimizer(optimizer, model) -> None:
                         f"None but got {type(optimizer).__name__}.")
 
 
-def fake_optimizer(optimizer, model, fakes: dict, device_type: str) -> torch.optim.Optimizer:
+def fake_optimizer(optimizer, model, fakes: dict, device_type: str,
+                   partial: bool = False) -> torch.optim.Optimizer:
     """The optimizer the step would use, over the fake parameters (call under the mode).
+    `partial`: `fakes` holds some of the model's parameters only (a copy cut to fewer blocks);
+    the optimizer is over those.
 
     None: AdamW; an Optimizer: its class, groups and options, with its state made fake; a factory:
     called with the fake parameters. For CUDA, an implementation left to the default becomes
     foreach, as CUDA would pick (fake tensors would otherwise get the single-tensor loop).
     """
+    own = [fakes[id(p)] for p in model.parameters() if not partial or id(p) in fakes]
     if optimizer is None:
-        built = torch.optim.AdamW([fakes[id(p)] for p in model.parameters()])
+        built = torch.optim.AdamW(own)
     elif isinstance(optimizer, torch.optim.Optimizer):
         missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in fakes]
-        if missing:
+        if missing and not partial:
             raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
                              f"the model (e.g. {list(missing[0].shape)}); build it over "
                              f"model.parameters().")
-        groups = [{**options, "params": [fakes[id(p)] for p in g["params"]]}
+        groups = [{**options, "params": [fakes[id(p)] for p in g["params"] if id(p) in fakes]}
                   for g, options in zip(optimizer.param_groups, _group_options(optimizer.param_groups))]
         built = _same_kind(optimizer, groups)
         for p, state in optimizer.state.items():
@@ -94,7 +98,7 @@ def fake_optimizer(optimizer, model, fakes: dict, device_type: str) -> torch.opt
                 built.state[fakes[id(p)]] = {k: fake_like(v) if isinstance(v, torch.Tensor) else v
                                              for k, v in state.items()}
     elif callable(optimizer):
-        built = optimizer(list(fakes[id(p)] for p in model.parameters()))
+        built = optimizer(own)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}; it must return a "
                             f"torch.optim.Optimizer built over the parameters it is given.")
