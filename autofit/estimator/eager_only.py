@@ -15,6 +15,10 @@ import torch
 EAGER_ONLY = (torch.nn.RNNBase,)
 
 
+class EagerOnly(RuntimeError):
+    """A model the fake-tensor step would estimate low (its layer named)."""
+
+
 def eager_only(model: torch.nn.Module) -> str | None:
     """Why `model` must be measured on real rows (the first such layer, named), or None."""
     for name, module in model.named_modules():

@@ -65,6 +65,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
+from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
 from autofit.gpu.device import SimulatedDevice, _map_tensors
 from autofit.errors import one_line
@@ -283,6 +284,13 @@ class Estimator:
         self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
         check_optimizer(optimizer, model)  # a wrong argument is said as such, never sampled around
         self._source, self._sampled = (model, batch, optimizer), None
+        if (why := eager_only(model)) is not None:  # fake tensors would estimate it low
+            try:
+                self._sample(EagerOnly(why))
+                return
+            except EagerOnly:  # no real rows to run (a model on meta): fake tensors, said
+                log.info("estimator: %s; it cannot be measured on real rows, so its estimate may be low",
+                         why)
         try:
             with self._quiet(), self.mode:
                 self.model, fakes = fake_model(model)
@@ -313,12 +321,13 @@ class Estimator:
         model, batch, optimizer = self._source
         try:
             self._sampled = SampledEstimator(model, batch, optimizer, self.loss_fn,
-                                             device_type=self.device_type)
+                                             device_type=self.device_type,
+                                             widest=isinstance(error, EagerOnly))
         except Exception as sample_error:
             error.add_note(f"measuring it on real rows failed too: {type(sample_error).__name__}: "
                            f"{sample_error}")
             raise error from None
-        log.info("estimator: fake tensors cannot follow %s (%s); measuring it on 1 and 2 real rows",
+        log.info("estimator: fake tensors cannot follow %s (%s); measuring it on a few real rows",
                  type(model).__name__, one_line(error))
         self.model, self.resident = self._sampled.model, self._sampled.resident
         self.optimizer_name = self._sampled.optimizer_name
