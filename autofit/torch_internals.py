@@ -49,10 +49,13 @@ def _module_has(name: str) -> bool:
     return name in vars(torch.nn.Module())
 
 
+SIMULATED = "the simulated GPU and the estimator's memory counter"
+REPLAY = "replaying a global batch from the same state"
+
 # What each autofit feature reads of torch's private names: dotted paths, or ("nn.Module", name)
 # for the attributes nn.Module.__init__ makes on each instance.
 FEATURES = {
-    "the simulated GPU and the estimator's memory counter": (
+    SIMULATED: (
         "torch.utils._python_dispatch.TorchDispatchMode",
         "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
         "torch._C.StorageBase.resize_",
@@ -67,7 +70,7 @@ FEATURES = {
     "CUDA's autocast policies in the estimator": (
         "torch._C.DispatchKey", "torch._C.DispatchKeySet", "torch._C._ExcludeDispatchKeyGuard",
         "torch._C._dispatch_has_kernel_for_dispatch_key", "torch.library.Library._destroy"),
-    "replaying a global batch from the same state": (
+    REPLAY: (
         "torch.Tensor._version", ("nn.Module", "_parameters"), ("nn.Module", "_buffers")),
     "expandable segments after fragmentation": (
         "torch._C._accelerator_getAllocatorSettings", "torch._C._accelerator_setAllocatorSettings"),

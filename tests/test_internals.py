@@ -283,3 +283,21 @@ def test_every_accelerate_internal_autofit_uses_is_in_this_accelerate_and_a_miss
         from accelerate.state import GradientState
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_each_torch_feature_is_checked_when_first_used(monkeypatch):
+    """The simulated GPU and the replay of a global batch refuse, at their first use, a torch that
+    lacks one of their names (one more name asked for stands in for a torch without it)."""
+    import pytest
+    import torch
+    from autofit import torch_internals as ti
+    from autofit.engine.replay import StartState
+    from autofit.gpu.simulate import SimulatedGPU
+    monkeypatch.setattr(ti, "_checked", set())
+    for feature in (ti.SIMULATED, ti.REPLAY):
+        monkeypatch.setitem(ti.FEATURES, feature, ti.FEATURES[feature] + ("torch.Tensor._not_in_this_torch",))
+    with pytest.raises(ti.MissingInternal, match=r"simulated GPU .* lacks torch\.Tensor\._not_in_this_torch"):
+        SimulatedGPU("1GiB")
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ti.MissingInternal, match=r"replaying a global batch .* lacks torch\.Tensor\._not_in_this_torch"):
+        StartState(model, torch.optim.SGD(model.parameters(), lr=0.1), None)

@@ -122,6 +122,7 @@ class StartState:
     `begin` at the start of each attempt (it restores before a replay) gives the batch to train."""
 
     def __init__(self, model, optimizer, device):
+        ti.require(ti.REPLAY)
         self.model, self.optimizer, self.device = model, optimizer, device
         self.buffers = _Buffers(model, device)
         self.untrained = Untrained(model, optimizer, device)

@@ -71,6 +71,7 @@ class SimulatedGPU:
     name = "simulated"
 
     def __init__(self, budget=None, expandable_segments: bool = False, caps: str = "allocated"):
+        ti.require(ti.SIMULATED)
         if caps not in CAPS:
             raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}.")
         self.budget = None if budget is None else parse_size(budget)
