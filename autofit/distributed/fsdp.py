@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.distributed import internals
 from autofit.distributed.internals import internals_missing
 
@@ -72,7 +73,7 @@ def block_classes(model: torch.nn.Module) -> set[type]:
     """The model's block classes: Hugging Face's `_no_split_modules` (the classes it never splits
     across devices: its layers, and e.g. BERT's embeddings), else the one class of the children of
     a ModuleList that repeats it."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(hf_internals.no_split_modules(model))
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
     return found or {type(m[0]) for m in _repeating_lists(model)}
 
@@ -85,7 +86,7 @@ def _repeating_lists(model):
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The block instances `shard` wraps, in module order: those of `_no_split_modules`' classes,
     else the children of repeating ModuleLists; a block inside a block is not one."""
-    if getattr(model, "_no_split_modules", None):
+    if hf_internals.no_split_modules(model):
         classes = block_classes(model)
         chosen = {id(m) for m in model.modules() if type(m) in classes and m is not model}
     else:

@@ -23,6 +23,8 @@ CHECKED = {
              "set_force_sum_reduction_for_comms", "set_requires_gradient_sync",
              "set_reshard_after_forward"),
     "state": ("_fsdp_param_groups", "_auto_reshard_after_forward", "_is_root"),
+    # the estimator reads a sharded model's first parameter group (its mesh, precision, resharding)
+    "state class": ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group",),
     "param group": ("_all_gather_comm", "_reduce_scatter_comm", "post_forward_mesh_info",
                     "gradient_divide_factor", "force_sum_reduction_for_comms", "reduce_grads",
                     "all_reduce_grads", "fsdp_params", "mesh_info"),
@@ -39,6 +41,13 @@ CHECKED = {
              "torch.distributed.distributed_c10d._world.default_pg",
              "torch.distributed.ProcessGroup._get_backend",
              "torch.distributed.ProcessGroupGloo._Options._timeout"),
+    # what fully_shard writes on a module it manages (the sharded estimate's unsharded copy drops it)
+    "module marks": ("_is_fsdp_managed_module", "_fsdp_use_orig_params"),
+    # the sharded estimate: a world of W fake ranks in this process, entered and left around it
+    "fake world": ("torch.distributed.distributed_c10d._World",
+                   "torch.distributed.distributed_c10d._world",
+                   "torch.distributed.distributed_c10d._group_count",
+                   "torch.testing._internal.distributed.fake_pg"),
     # a sharded run's grad scaler
     "dtensor": ("torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
                 "torch.ops.aten._amp_foreach_non_finite_check_and_unscale_"),
@@ -78,6 +87,51 @@ def group_alive(group) -> bool:
 def ddp_ignored(module) -> set[str]:
     """The names of the parameters and buffers DDP is told to leave alone on `module`."""
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+# -- the sharded estimate's fake world ---------------------------------------------------------
+def new_world():
+    """A fresh c10d world (its default group, group map, names), with the fake backend registered:
+    the sharded estimate makes W fake ranks in it without touching the job's own world."""
+    refuse_missing_for_estimate()
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    return torch.distributed.distributed_c10d._World()
+
+
+def world_and_group_count() -> tuple:
+    """c10d's current world and its module-global count that names new process groups."""
+    c10d = torch.distributed.distributed_c10d
+    return c10d._world, c10d._group_count
+
+
+def set_world_and_group_count(world, count) -> None:
+    c10d = torch.distributed.distributed_c10d
+    c10d._world, c10d._group_count = world, count
+
+
+def first_param_group(state):
+    """A fully_shard module's state's own parameter group (None when it has no parameters)."""
+    return state._fsdp_param_group
+
+
+def is_fsdp_mark(key: str) -> bool:
+    """Whether `key` (of a module's __dict__) is a mark fully_shard leaves on a module it manages:
+    a copy made unsharded drops them (else FSDP's hooks treat it as managed)."""
+    return key.startswith("__composable_api_state_key") or key in CHECKED["module marks"]
+
+
+def state_param_groups(state) -> list:
+    return getattr(state, "_fsdp_param_groups", ()) or ()
+
+
+def refuse_missing_for_estimate() -> None:
+    """Raise before a sharded estimate when this torch lacks the fake world's internals."""
+    lacking = [p for key in ("fake world", "state class") for p in CHECKED[key] if not _has(p)]
+    if lacking:
+        raise RuntimeError(f"autofit's sharded estimate (a fake world of W ranks) uses "
+                           f"torch.distributed internals as torch 2.13 has them, and this torch "
+                           f"{torch.__version__} lacks {', '.join(lacking)}: install torch 2.13, "
+                           f"or estimate without sharding")
 
 
 # -- DTensor -----------------------------------------------------------------------------------

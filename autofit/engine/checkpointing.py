@@ -19,6 +19,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.plans.coupling import coupled_modules
 
 _KWARGS = {"use_reentrant": False}
@@ -122,10 +123,11 @@ class Checkpointing:
         if self.hf:
             # transformers' enable also hooks the input embeddings (inputs require grad) and its
             # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
-            before = {id(h) for h in getattr(self.model, "_require_grads_hooks", None) or []}
+            hf_internals.require("activation checkpointing of a transformers model")
+            before = {id(h) for h in hf_internals.require_grads_hooks(self.model)}
             _hf_switch(self.model, on)
             if on:
-                self._own_hooks = [h for h in getattr(self.model, "_require_grads_hooks", None) or []
+                self._own_hooks = [h for h in hf_internals.require_grads_hooks(self.model)
                                    if id(h) not in before]
             else:
                 self._remove_own_hooks()
@@ -147,11 +149,8 @@ class Checkpointing:
         own = getattr(self, "_own_hooks", [])
         for hook in own:
             hook.remove()
-        hooks = getattr(self.model, "_require_grads_hooks", None)
-        if own and hooks is not None:
-            self.model._require_grads_hooks = [h for h in hooks if h not in own]
-            if getattr(self.model, "_require_grads_hook", None) in own:
-                del self.model._require_grads_hook
+        if own:
+            hf_internals.forget_require_grads_hooks(self.model, own)
         self._own_hooks = []
 
     def restore(self) -> None:

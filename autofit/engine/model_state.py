@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from autofit import torch_internals as ti
+
 log = logging.getLogger("autofit")
 
 # Steps whose writes are learned (every untrained parameter is copied until then): two, so that a
@@ -66,12 +68,12 @@ class Untrained:
         learning = self.learned < LEARN_STEPS
         seen = {}
         for module in self.model.modules():
-            for name, p in module._parameters.items():
+            for name, p in ti.own_parameters(module).items():
                 if p is None or id(p) in skip:
                     continue
                 key = (id(module), name)
                 old = self.saved.get(key)
-                moved = old is None or old[2] is not p or old[4] != p._version
+                moved = old is None or old[2] is not p or old[4] != ti.version(p)
                 if moved and not learning:
                     self.written.add(key)  # a new writer (or a new parameter): copied from now on
                 host = None
@@ -79,7 +81,7 @@ class Untrained:
                     with torch.no_grad(), self.device.host():
                         host = _host(p)
                     self.copies += 1
-                seen[key] = [module, name, p, host, p._version]
+                seen[key] = [module, name, p, host, ti.version(p)]
         self.saved = seen
 
     def _learn(self) -> None:
@@ -89,7 +91,7 @@ class Untrained:
         modules = set()
         with torch.no_grad(), self.device.host():
             for key, (module, name, p, host, version) in self.saved.items():
-                if module._parameters.get(name) is not p or p._version != version or host is None \
+                if ti.own_parameters(module).get(name) is not p or ti.version(p) != version or host is None \
                         or not torch.equal(_host(p), host):
                     modules.add(id(module))
         before = len(self.written)
@@ -104,10 +106,10 @@ class Untrained:
         with torch.no_grad():
             for entry in self.saved.values():
                 module, name, p, host, version = entry
-                if module._parameters.get(name) is not p:
-                    module._parameters[name] = p  # the attempt replaced it: the original comes back
+                if ti.own_parameters(module).get(name) is not p:
+                    ti.own_parameters(module)[name] = p  # the attempt replaced it: the original comes back
                 if host is None:
-                    if p._version != version and (id(module), name) not in self._warned:
+                    if ti.version(p) != version and (id(module), name) not in self._warned:
                         self._warned.add((id(module), name))
                         log.warning("%s.%s was written by a failed attempt although no step before wrote "
                                     "it, so autofit kept no copy; the replay starts from what the attempt "
@@ -115,7 +117,7 @@ class Untrained:
                     self.written.add((id(module), name))
                     continue
                 _local(p).copy_(host)  # always: native kernels write without moving `_version`
-                entry[4] = p._version
+                entry[4] = ti.version(p)
 
 
 def _generators(model) -> list[torch.Generator]:

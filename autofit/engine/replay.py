@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.engine.model_state import Generators, Gradients, Untrained
 from autofit.gpu.device import _map_tensors
 
@@ -91,29 +92,29 @@ class _Buffers:
     def capture(self) -> None:
         seen = {}
         for module in self.model.modules():
-            for name, buf in module._buffers.items():
+            for name, buf in ti.own_buffers(module).items():
                 if buf is None:
                     continue
                 key = (id(module), name)
                 old = self.saved.get(key)
-                if old is not None and old[2] is buf and old[4] == buf._version \
+                if old is not None and old[2] is buf and old[4] == ti.version(buf) \
                         and not _may_change_unseen(buf):
                     seen[key] = old
                     continue
                 with torch.no_grad(), self.device.host():
                     host = buf.detach().to("cpu", copy=True)
                 self.copies += 1
-                seen[key] = (module, name, buf, host, buf._version)
+                seen[key] = (module, name, buf, host, ti.version(buf))
         self.saved = seen
 
     def restore(self) -> None:
         with torch.no_grad():
             for key, (module, name, buf, host, version) in self.saved.items():
-                if module._buffers.get(name) is not buf:
-                    module._buffers[name] = buf  # the attempt replaced it: the original comes back
-                if buf._version != version or _may_change_unseen(buf):
+                if ti.own_buffers(module).get(name) is not buf:
+                    ti.own_buffers(module)[name] = buf  # the attempt replaced it: the original comes back
+                if ti.version(buf) != version or _may_change_unseen(buf):
                     buf.copy_(host)
-                    self.saved[key] = (module, name, buf, host, buf._version)
+                    self.saved[key] = (module, name, buf, host, ti.version(buf))
 
 
 class StartState:
@@ -121,6 +122,7 @@ class StartState:
     `begin` at the start of each attempt (it restores before a replay) gives the batch to train."""
 
     def __init__(self, model, optimizer, device):
+        ti.require(ti.REPLAY)
         self.model, self.optimizer, self.device = model, optimizer, device
         self.buffers = _Buffers(model, device)
         self.untrained = Untrained(model, optimizer, device)
@@ -140,7 +142,7 @@ class StartState:
         self.given = batch
         # Tensors the device hands to the loss as they are (no host-to-device copy) could be
         # written by the loss; keep their contents. The others reach the loss as copies.
-        self.versions = [(t, t._version) for t in _leaves(batch)]
+        self.versions = [(t, ti.version(t)) for t in _leaves(batch)]
         with torch.no_grad(), self.device.host():
             self.kept = {id(t): t.detach().to("cpu", copy=True)
                          for t, _ in self.versions if self.device.shares(t)}
@@ -174,7 +176,7 @@ class StartState:
         restore_groups(self.optimizer, self.groups)
         self.gradients.restore()
         for i, (t, version) in enumerate(self.versions):
-            if t._version == version:
+            if ti.version(t) == version:
                 continue
             kept = self.kept.get(id(t))
             if kept is None:
@@ -185,4 +187,4 @@ class StartState:
                     f"(use out-of-place operations, e.g. x = x * 2 instead of x.mul_(2)).")
             with torch.no_grad():
                 t.copy_(kept)
-            self.versions[i] = (t, t._version)
+            self.versions[i] = (t, ti.version(t))

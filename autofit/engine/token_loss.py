@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
 from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction
@@ -48,8 +49,8 @@ def unwrap(model):
     """The module whose forward defines the signature: through torch.compile and DDP/DataParallel."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
     while True:
-        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
+        if ti.compiled_original(model) is not None:
+            model = ti.compiled_original(model)
         elif isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
         else:

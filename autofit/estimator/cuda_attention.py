@@ -14,8 +14,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autofit import torch_internals as ti
 from autofit.plans import precision as precisions
 
 class FunctionalPatch:
@@ -67,7 +67,7 @@ _routing = FunctionalPatch("scaled_dot_product_attention", _routed_attention)
 
 
 @contextlib.contextmanager
-def attention_as_on_cuda(mode: FakeTensorMode):
+def attention_as_on_cuda(mode):  # a FakeTensorMode
     """While inside, SDPA on this fake mode's tensors runs CUDA's kernels; every other call is untouched.
 
     A function mode cannot do this: the autograd engine does not carry function modes into backward,
@@ -98,10 +98,10 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                     ).masked_fill_(attn_mask.logical_not(), -math.inf)
         low = query.dtype in precisions.autocast_dtypes()  # flash attention runs only in these
         if low and attn_mask is None and query.size(-1) <= 256:
-            return torch.ops.aten._scaled_dot_product_flash_attention(
+            return ti.flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         if attn_mask is not None:
             attn_mask = attn_mask.expand(query.size(0), query.size(-3), query.size(-2), key.size(-2))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        return ti.efficient_attention(
             query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]

@@ -20,8 +20,8 @@ import contextlib
 import functools
 
 import torch
-from torch._C import DispatchKey, DispatchKeySet
 
+from autofit import torch_internals as ti
 from autofit.estimator.cuda_attention import FunctionalPatch, attention_as_on_cuda
 
 # CUDA's autocast policies (ATen/autocast_mode.h, torch 2.x), "op" or "op.overload".
@@ -56,7 +56,6 @@ PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "g
 POLICIES = {"lower_precision_fp": LOWER_PRECISION, "fp32": FP32,
             "fp32_set_opt_dtype": FP32_SET_OPT_DTYPE, "promote": PROMOTE}
 
-_NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU)
 _KERNELS: dict = {}  # op -> its kernel, made once (registering again reuses it)
 
 
@@ -104,7 +103,7 @@ def _kernel(op, policy: str):
 
 
 def _make_kernel(op, policy: str):
-    names = [a.name for a in op._schema.arguments]
+    names = [a.name for a in ti.op_schema(op).arguments]
     dtype_at = names.index("dtype") if "dtype" in names else None
 
     def run(*args, **kwargs):
@@ -130,7 +129,7 @@ def _make_kernel(op, policy: str):
                     widest = functools.reduce(torch.promote_types, dtypes)
                     args = _cast(args, widest)
                     kwargs = {k: _cast(v, widest) for k, v in kwargs.items()}
-        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        with ti.exclude_dispatch_keys(ti.autocast_cpu_keys()):
             return op(*args, **kwargs)
     return run
 
@@ -145,7 +144,7 @@ def _register() -> torch.library.Library:
                 op = _overload(name)
             except AttributeError:  # an op this torch does not have
                 continue
-            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCPU"):
+            if ti.has_kernel_for(op.name(), "AutocastCPU"):
                 continue
             library.impl(op.name().split("::", 1)[1], _kernel(op, policy), "AutocastCPU")
     return library
@@ -166,7 +165,7 @@ def _register_kernels():
 
 
 def _destroy_kernels():
-    _library["kernels"]._destroy()
+    ti.destroy_library(_library["kernels"])
     _library["kernels"] = None
 
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from autofit import torch_internals as ti
+from autofit.distributed import internals
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.step import StepRunner
 from autofit.estimator.data_dependent import Hints
@@ -112,7 +113,7 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
         if isinstance(module, FSDPModule):
             if name:
                 units.append(name)
-            group = fully_shard.state(module)._fsdp_param_group
+            group = internals.first_param_group(fully_shard.state(module))
             if group is not None:
                 groups.append((name, group))
     if not groups:
@@ -144,23 +145,20 @@ def _entered(world):
     world counts from a base of its own, far from the caller's, and the caller's count is put back,
     so a rank that estimated names its next group as the ranks that did not (else the others wait
     for it in `new_group` for ever) and no fake group's name is taken twice."""
-    import torch.distributed.distributed_c10d as c10d
-    saved, c10d._world = c10d._world, world
-    saved_count = c10d._group_count
-    c10d._group_count = getattr(world, "autofit_group_count", None) or next(_FAKE_NAMES) * 10**9
+    saved = internals.world_and_group_count()
+    internals.set_world_and_group_count(
+        world, getattr(world, "autofit_group_count", None) or next(_FAKE_NAMES) * 10**9)
     try:
         yield
     finally:
-        world.autofit_group_count = c10d._group_count
-        c10d._world, c10d._group_count = saved, saved_count
+        world.autofit_group_count = internals.world_and_group_count()[1]
+        internals.set_world_and_group_count(*saved)
 
 
 def _fake_world(world_size: int):
     """A world of `world_size` ranks on the fake backend, this process rank 0; and its 1-D mesh."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    import torch.distributed.distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
-    world = c10d._World()
+    world = internals.new_world()
     with _entered(world):
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
         # A named mesh, never equal to a job's: DTensor caches plans keyed by the mesh (its equality
@@ -189,7 +187,7 @@ def _unsharded_fake(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     for m in fsdp:
         state = fully_shard.state(m)
         memo[id(state)] = gone
-        for group in getattr(state, "_fsdp_param_groups", ()) or ():
+        for group in internals.state_param_groups(state):
             memo[id(group)] = gone
     for m in model.modules():  # hooks of the training machinery (autofit's agreements): not copied
         for hooks in vars(m).values():
@@ -209,8 +207,7 @@ def _unsharded_fake(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
         vars(shells[id(m)]).update(copy.deepcopy(vars(m), memo))
     copied = shells[id(model)] if id(model) in shells else copy.deepcopy(model, memo)
     for m in copied.modules():
-        for key in [k for k in vars(m) if k.startswith("__composable_api_state_key")
-                    or k in ("_is_fsdp_managed_module", "_fsdp_use_orig_params")]:
+        for key in [k for k in vars(m) if internals.is_fsdp_mark(k)]:
             del m.__dict__[key]
         for hooks in vars(m).values():
             if isinstance(hooks, dict) and not isinstance(hooks, torch.nn.Module):
@@ -271,7 +268,7 @@ class ShardedEstimator(Estimator):
         self.estimates, self._sampled = 0, None
         shape_env = ShapeEnv()
         shape_env.real_tensor_prop_unbacked_vals = Hints(shape_env)
-        self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
+        self.mode = ti.fake_tensor_mode_class()(shape_env=shape_env, static_shapes=True)
         self.world, mesh = _fake_world(sharding.world_size)
         with self._quiet(), self.mode, _entered(self.world):
             self.model, fakes = _unsharded_fake(model)
@@ -301,7 +298,7 @@ class ShardedEstimator(Estimator):
         for unit in self.model.modules():
             if not isinstance(unit, FSDPModule):
                 continue
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for group in internals.param_groups(unit):
                 for name, kind in (("unshard", "params"), ("wait_for_unshard", "params"),
                                    ("post_backward", "grads")):
                     setattr(group, name, self._as_kind(getattr(group, name), kind))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.simulate import INJECTED
 from autofit.sizes import format_size
@@ -115,13 +116,13 @@ def switch_on_expandable_segments(device) -> bool:
     """
     if torch.cuda.get_allocator_backend() != "native":
         return False
-    current = torch._C._accelerator_getAllocatorSettings()
+    current = ti.allocator_settings()
     if current in _RESTORED:  # what a previous run put back: the default, not a choice
         current = current[:-len(_OFF)].rstrip(",")
     new = with_expandable_segments(current, os.environ)
     if new is None:
         return False
-    torch._C._accelerator_setAllocatorSettings(new)
+    ti.set_allocator_settings(new)
     if getattr(device, "allocator_settings_before", None) is None:
         device.allocator_settings_before = current
     return True
@@ -146,7 +147,7 @@ def restored(device):
             # Off again explicitly: an empty string may leave the parsed options as they are.
             back = ",".join(s for s in (before, _OFF) if s)
             _RESTORED.add(back)
-            torch._C._accelerator_setAllocatorSettings(back)
+            ti.set_allocator_settings(back)
             device.allocator_settings_before = None
 
 

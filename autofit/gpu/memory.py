@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.gpu.simulate import inner_tensors, round_bytes
 from autofit.sizes import format_size
 
@@ -12,7 +13,7 @@ KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 def storage_key(storage: torch.UntypedStorage) -> int:
     """One key per storage, for real and fake tensors alike (a fake tensor has no data pointer)."""
-    return storage._cdata
+    return ti.storage_key(storage)
 
 
 def storage_bytes(tensors, seen: set | None = None, on_device=None) -> int:

@@ -22,8 +22,8 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from autofit import torch_internals as ti
 from autofit.gpu.allocator import AllocationFailed, CachingAllocator
 from autofit.sizes import format_size, parse_size
 
@@ -50,8 +50,8 @@ def inner_tensors(tensors) -> list:
     out = []
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
-            out.extend((t._indices(), t._values()))  # a sparse tensor's memory is these two
-        elif type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+            out.extend(ti.sparse_parts(t))  # a sparse tensor's memory is these two
+        elif type(t) is not torch.Tensor and ti.is_wrapper_subclass(t):
             inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
             out.extend(inner_tensors([i for i in inner if isinstance(i, torch.Tensor)]))
         else:
@@ -71,6 +71,7 @@ class SimulatedGPU:
     name = "simulated"
 
     def __init__(self, budget=None, expandable_segments: bool = False, caps: str = "allocated"):
+        ti.require(ti.SIMULATED)
         if caps not in CAPS:
             raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}.")
         self.budget = None if budget is None else parse_size(budget)
@@ -137,7 +138,7 @@ class SimulatedGPU:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         if tensor.layout is torch.sparse_coo:
-            tensor = tensor._values()
+            tensor = ti.sparse_values(tensor)
         return id(tensor.untyped_storage()) in self._live
 
     def live_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
@@ -291,7 +292,7 @@ def _death_callback(gpu_ref):
 _counters = threading.local()  # .stack: the counters this thread is in, innermost last
 _resize_lock = threading.Lock()
 _resize_users = 0
-_storage_resize = torch._C.StorageBase.resize_
+_storage_resize = ti.storage_resize()
 
 
 def _counted_resize(storage, nbytes):
@@ -332,19 +333,13 @@ def _skipped_by_dynamo(fn) -> bool:
     """Mark `fn` so that torch.compile's frame evaluation runs it, and the frames it calls, as they
     are (what torch._disable_dynamo ensures with a wrapper that costs about 1 us on every op).
     False where this torch has no such switch."""
-    try:
-        from torch._C._dynamo import eval_frame
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(fn.__code__, eval_frame._FrameExecStrategy(skip, skip))
-        return True
-    except (ImportError, AttributeError, TypeError):
-        return False
+    return ti.skip_dynamo(fn)
 
 
 _SKIPPED = _skipped_by_dynamo(_count)
 
 
-class _CountingMode(TorchDispatchMode):
+class _CountingMode(ti.TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return not _SKIPPED  # torch's own wrapper only where the code could not be marked
@@ -381,7 +376,7 @@ def _may_allocate(func):
     every result is a new tensor (their inputs need no look), ALIASES for the others: results that
     may be an input's storage, resized, and the `unsafe` ops whose schema does not say they alias
     (`_unsafe_view`, `unsafe_split`: the exceptions PyTorch's own SchemaCheckMode allows)."""
-    schema = getattr(func, "_schema", None)
+    schema = ti.op_schema(func)
     if schema is None or not schema.returns:
         return ALIASES if schema is None else False
     name = schema.name.split("::")[-1]

@@ -111,3 +111,71 @@ def _unwrap_scheduler(prepared, optimizer):
 def _accelerator_state():
     from accelerate.state import AcceleratorState  # loaded already: a prepared scheduler exists
     return AcceleratorState()
+
+
+# -- accelerate's private names (every one autofit uses) ---------------------------------------
+# Besides PRIVATE, two marks `accelerator.prepare` leaves on a model are read where present (a
+# model not prepared has neither, so they cannot be checked ahead): `_original_forward` (the forward
+# under its autocast wrapper) and `_is_accelerate_prepared`.
+# Read when the Trainer callback changes the Trainer's Accelerator (a new precision, an attempt
+# dropped), never at import: accelerate is optional. Written against accelerate 1.16.
+PRIVATE = {
+    "AcceleratorState._reset_state": "a new Accelerator after the precision changes",
+    "Accelerator._models": "dropping what a failed attempt prepared",
+    "Accelerator._optimizers": "dropping what a failed attempt prepared",
+    "Accelerator._schedulers": "dropping what a failed attempt prepared",
+    "Accelerator._dataloaders": "dropping what a failed attempt prepared",
+}
+
+
+def private_missing(accelerator=None) -> list[str]:
+    """What this accelerate lacks of PRIVATE; [] when all are there. `accelerator`: an instance,
+    for the lists its __init__ makes (skipped without one)."""
+    from accelerate.state import AcceleratorState
+    out = [] if hasattr(AcceleratorState, "_reset_state") else ["AcceleratorState._reset_state"]
+    if accelerator is not None:
+        out += [n for n in PRIVATE if n.startswith("Accelerator.")
+                and not hasattr(accelerator, n.split(".", 1)[1])]
+    return out
+
+
+def _require_private(name: str, accelerator=None) -> None:
+    lacking = [n for n in private_missing(accelerator) if n == name]
+    if lacking:
+        import accelerate
+        raise RuntimeError(f"autofit's Trainer callback uses {name} of accelerate 1.16 for "
+                           f"{PRIVATE[name]}, and this accelerate {accelerate.__version__} lacks "
+                           f"it: install accelerate 1.16")
+
+
+def reset_state() -> None:
+    """Forget Accelerate's process-wide state, so the next Accelerator is built with the new mixed
+    precision (what Trainer._hp_search_setup does before it makes a new one)."""
+    _require_private("AcceleratorState._reset_state")
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state()
+
+
+def forget_prepared(accelerator) -> None:
+    """What Accelerator.free_memory() does outside DeepSpeed, without its full gc.collect(): its
+    lists of prepared models, optimizers, schedulers and loaders emptied."""
+    for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
+        _require_private(f"Accelerator.{name}", accelerator)
+        setattr(accelerator, name, [])
+
+
+def unwrap_autocast(model) -> None:
+    """Undo Accelerate's autocast wrapper of `model.forward` (prepare keeps the original beside it,
+    as `_original_forward`), so the new plan's precision owns autocast."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is type(model).forward and getattr(original, "__self__", None) is model:
+        model.__dict__.pop("forward", None)  # the class's own forward again
+    else:
+        model.forward = original
+
+
+def forget_prepared_mark(model) -> None:
+    """Drop the mark `accelerator.prepare` leaves on a model, so a new Accelerator prepares it."""
+    model.__dict__.pop("_is_accelerate_prepared", None)

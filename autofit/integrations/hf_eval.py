@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from autofit.engine.attempt import Attempter, outside, until_fits
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.integrations.hf_records import snapshot
 from autofit.integrations.hf_trainer import raw_optimizer
 
@@ -134,7 +135,7 @@ class EvalGuard:
                 f"outside the model, set eval_accumulation_steps so predictions leave the device, "
                 f"or give a larger budget.", attempts=self.attempts, budget=self.device.budget)
         self.trainer.args.per_device_eval_batch_size = size // 2
-        getattr(self.trainer, "_eval_dataloaders", {}).clear()  # loaders kept with persistent workers
+        hf_internals.drop_eval_loaders(self.trainer)  # loaders kept with persistent workers
         self.reason = f"halved after an out-of-memory error at {size} rows; the training batch is unchanged"
         return True
 

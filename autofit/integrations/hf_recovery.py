@@ -20,6 +20,8 @@ from autofit.engine.replay import rng_state, set_rng_state
 from autofit.errors import DoesNotFit
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom
+from autofit.integrations import accelerate as accelerate_internals
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.integrations import hf_trainer as hf
 from autofit.integrations.hf_records import snapshot
 from autofit.integrations.hf_trainer import raw_optimizer
@@ -78,7 +80,7 @@ def free_attempt(trainer, owns_optimizer: bool) -> None:
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
         trainer.optimizer = optimizer
-        if getattr(trainer, "_created_lr_scheduler", False):
+        if hf_internals.created_lr_scheduler(trainer):
             # The Trainer made this scheduler for the user's optimizer (its private flag says so): it
             # goes too, as the flag that would have made the next train() drop it is one of the
             # records hf_records puts back as the attempt found them.
@@ -91,7 +93,7 @@ def free_attempt(trainer, owns_optimizer: bool) -> None:
     # models, optimizers, schedulers and loaders emptied; without the full gc.collect() it ends
     # with (0.2-0.9 s with transformers loaded): `oom.release` collects no further than needed.
     accelerator = trainer.accelerator
-    accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator._dataloaders = [], [], [], []
+    accelerate_internals.forget_prepared(accelerator)
     accelerator.step = 0
 
 
@@ -104,7 +106,7 @@ def resumable_checkpoints(args) -> bool:
 def _loss_so_far(trainer) -> float | None:
     """The sum of the step losses the current `trainer.train()` call has trained (the Trainer's
     own running total, as it divides it for `training_loss`); None when this Trainer keeps none."""
-    total, pending = getattr(trainer, "_total_loss_scalar", None), getattr(trainer, "_tr_loss", None)
+    total, pending = hf_internals.loss_so_far(trainer)
     if total is None or pending is None:
         return None
     return total + (pending.item() if isinstance(pending, torch.Tensor) else float(pending))
@@ -139,7 +141,7 @@ def tracker(device, trainer):
         def whole_run_loss(self, output):
             """`output.training_loss` over every step of the run (the Trainer's own covers only
             the steps of the attempt that finished, which may have resumed from a checkpoint)."""
-            own = getattr(trainer, "_total_loss_scalar", None)  # the finished call added its rest
+            own = hf_internals.loss_so_far(trainer)[0]  # the finished call added its rest
             steps = output.global_step - (self.first_step or 0)
             if own is None or self.carried is None or steps <= 0:
                 return output.training_loss

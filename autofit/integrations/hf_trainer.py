@@ -18,7 +18,6 @@ Trainer's internals (tested against transformers 5.x):
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Mapping
 
 import torch
@@ -31,6 +30,8 @@ from autofit.plans.ladder import Move
 from autofit.plans.plan import Plan
 from autofit.estimator.start import cannot_estimate, headroom
 from autofit.engine.step import NoLossError
+from autofit.integrations import accelerate as accelerate_internals
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.integrations.hf_records import kept
 
 SCAN = 1024  # samples read to find the longest rows for the estimate
@@ -82,10 +83,7 @@ def sample_batch(trainer, rows: int):
         raise ValueError("trainer.train_dataset is None; give the Trainer a train_dataset, the data "
                          "whose batches autofit fits to the device.")
     collator = trainer.data_collator
-    if "datasets" in sys.modules and isinstance(dataset, sys.modules["datasets"].Dataset):
-        dataset = trainer._remove_unused_columns(dataset, description="training")
-    elif hasattr(trainer, "_get_collator_with_removed_columns"):
-        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    dataset, collator = hf_internals.training_columns(trainer, dataset, collator)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         scan = list(itertools.islice(iter(dataset), rows))
     else:
@@ -104,7 +102,7 @@ def apply_plan(trainer, plan: Plan) -> None:
     args = trainer.args
     args.per_device_train_batch_size = plan.micro_batch_size
     args.gradient_accumulation_steps = plan.accumulation_steps
-    trainer._train_batch_size = args.train_batch_size  # cached by Trainer.__init__
+    hf_internals.set_train_batch_size(trainer, args.train_batch_size)  # cached by Trainer.__init__
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # 5.x name, and its alias
         if hasattr(args, name):
             setattr(args, name, plan.checkpointing)
@@ -121,27 +119,15 @@ def set_precision(trainer, precision: str) -> None:
     if getattr(args, "mixed_precision", wanted) == wanted:
         return
     args.mixed_precision = wanted
-    from accelerate.state import AcceleratorState
 
     model = trainer.model
-    _unwrap_autocast(model)
-    model.__dict__.pop("_is_accelerate_prepared", None)  # else the new Accelerator would skip it
+    accelerate_internals.unwrap_autocast(model)
+    accelerate_internals.forget_prepared_mark(model)  # else the new Accelerator would skip it
     trainer.model_wrapped = model
     if trainer.optimizer is not None:
         trainer.optimizer = raw_optimizer(trainer.optimizer)
-    AcceleratorState._reset_state()  # as Trainer._hp_search_setup does before a new Accelerator
+    accelerate_internals.reset_state()  # as Trainer._hp_search_setup does before a new Accelerator
     trainer.create_accelerator_and_postprocess()
-
-
-def _unwrap_autocast(model) -> None:
-    """Undo Accelerate's autocast wrapper of `model.forward` (it keeps the original beside it)."""
-    original = model.__dict__.pop("_original_forward", None)
-    if original is None:
-        return
-    if getattr(original, "__func__", None) is type(model).forward and getattr(original, "__self__", None) is model:
-        model.__dict__.pop("forward", None)  # the class's own forward again
-    else:
-        model.forward = original
 
 
 def raw_optimizer(optimizer):

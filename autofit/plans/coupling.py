@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from autofit import torch_internals as ti
 from autofit.plans import precision as precisions
 from autofit.plans.ladder import (
     ByPhase,
@@ -47,7 +47,7 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     for name, module in model.named_modules():
         declared = getattr(module, ATTRIBUTE, None)
         if declared is None:
-            declared = isinstance(module, _BatchNorm)
+            declared = isinstance(module, ti.batch_norm_base())
         if declared:
             found.append((name or type(module).__name__, module))
     return found
@@ -150,7 +150,7 @@ class Coupling:
             self._handles = [m.register_forward_pre_hook(self._before_forward) for m in self._modules]
 
     def _before_forward(self, module, args):
-        task = torch._C._current_graph_task_id()
+        task = ti.graph_task_id()
         if task == -1:
             return  # an ordinary forward: its statistics update is the one a plain loop makes
         if task != self._task:
@@ -160,7 +160,7 @@ class Coupling:
         with torch.no_grad():
             self._pending[module] = [(b, b.clone()) for b in module.buffers() if b is not None]
         if len(self._pending) == 1:
-            torch.autograd.Variable._execution_engine.queue_callback(self._put_back)
+            ti.after_backward(self._put_back)
 
     def _put_back(self) -> None:
         with torch.no_grad():

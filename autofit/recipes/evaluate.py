@@ -38,6 +38,7 @@ from functools import partial
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.engine.attempt import Attempter, Outcome, outside, until_fits
 from autofit.engine.batches import slice_batch, token_counter
 from autofit.engine.kept import copied, joined
@@ -86,16 +87,16 @@ def _modes(model):
 
 
 def _buffers(model):
-    return {(id(m), name): b for m in model.modules() for name, b in m._buffers.items() if b is not None}
+    return {(id(m), name): b for m in model.modules() for name, b in ti.own_buffers(m).items() if b is not None}
 
 
 def _normal_buffers(model, before: dict) -> None:
     """Buffers a forward (re)created under inference_mode are inference tensors, which autograd
     refuses to save for backward; give them back as normal tensors so training can go on."""
     for m in model.modules():
-        for name, b in list(m._buffers.items()):
+        for name, b in list(ti.own_buffers(m).items()):
             if b is not None and b.is_inference() and before.get((id(m), name)) is not b:
-                m._buffers[name] = b.clone()
+                ti.own_buffers(m)[name] = b.clone()
 
 
 def _metric_name(fn) -> str:

@@ -1,0 +1,139 @@
+"""Every private name of transformers that autofit uses, in this one module: each a small named
+function saying what it is and why autofit needs it. `FEATURES` lists them by the autofit feature
+that needs them; `require(feature, trainer)` (called when that feature is first used, never at
+import: transformers is optional and is not imported here) refuses a transformers that lacks one,
+naming it, the version found and the feature. Written against transformers 5.24. Imports nothing of
+autofit: the engine's checkpointing switch uses it too."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+TESTED_WITH = "5.24"
+
+# What each feature reads: ("Trainer", name) a method of the class, ("trainer", name) an attribute
+# Trainer.__init__ sets, ("Trainer source", name) one Trainer's training loop sets while training,
+# ("PreTrainedModel.enable_input_require_grads", name) one that method sets on the model.
+FEATURES = {
+    "the Trainer callback (autofit.integrations.hf_trainer)": (
+        ("trainer", "_train_batch_size"),               # the batch size the Trainer cached
+        ("trainer", "_created_lr_scheduler"),           # the Trainer made the scheduler itself
+        ("Trainer", "_remove_unused_columns"),          # the columns it drops before collating
+        ("Trainer", "_get_collator_with_removed_columns"),
+        ("Trainer source", "_total_loss_scalar"),       # its running loss total
+        ("Trainer source", "_tr_loss"),
+        ("Trainer source", "_eval_dataloaders"),        # evaluation loaders it keeps
+    ),
+    "activation checkpointing of a transformers model": (
+        ("PreTrainedModel.enable_input_require_grads", "_require_grads_hooks"),
+        ("PreTrainedModel.enable_input_require_grads", "_require_grads_hook"),
+    ),
+}
+
+_checked: set[str] = set()
+TRAINER = "the Trainer callback (autofit.integrations.hf_trainer)"
+
+
+def _found_version() -> str:
+    module = sys.modules.get("transformers")
+    return getattr(module, "__version__", "(not loaded)")
+
+
+def missing(feature: str, trainer=None) -> list[str]:
+    """What this transformers lacks of `feature`'s private names; [] when all are there.
+    `trainer`: a Trainer, for the attributes its __init__ sets (skipped without one)."""
+    import transformers
+    out = []
+    for kind, name in FEATURES[feature]:
+        if kind == "trainer":
+            found = trainer is None or hasattr(trainer, name)
+        elif kind == "Trainer":
+            found = hasattr(transformers.Trainer, name)
+        elif kind == "Trainer source":
+            found = f"self.{name}" in _source(transformers.Trainer)
+        else:
+            found = f"self.{name}" in _source(transformers.PreTrainedModel.enable_input_require_grads)
+        if not found:
+            out.append(f"{kind}.{name}")
+    return out
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def require(feature: str, trainer=None) -> None:
+    """Refuse `feature` on a transformers that lacks one of its private names (checked once)."""
+    if feature in _checked:
+        return
+    lacking = missing(feature, trainer)
+    if lacking:
+        raise RuntimeError(
+            f"autofit's {feature} uses transformers internals as transformers {TESTED_WITH} has "
+            f"them, and this transformers {_found_version()} lacks {', '.join(lacking)}: install "
+            f"transformers {TESTED_WITH}")
+    _checked.add(feature)
+
+
+# -- the Trainer ---------------------------------------------------------------------------------
+def set_train_batch_size(trainer, size: int) -> None:
+    """The Trainer caches its training batch size at __init__; a new plan changes it."""
+    require(TRAINER, trainer)
+    trainer._train_batch_size = size
+
+
+def created_lr_scheduler(trainer) -> bool:
+    """Whether the Trainer made its scheduler for the user's optimizer (its own flag)."""
+    require(TRAINER, trainer)
+    return getattr(trainer, "_created_lr_scheduler", False)
+
+
+def loss_so_far(trainer) -> tuple:
+    """(the running loss total, the loss pending since the last log) of the current train() call,
+    each None when this Trainer keeps none (before its first train())."""
+    return getattr(trainer, "_total_loss_scalar", None), getattr(trainer, "_tr_loss", None)
+
+
+def drop_eval_loaders(trainer) -> None:
+    """Forget the evaluation loaders the Trainer keeps (with persistent workers), so the next
+    evaluation builds them with its new batch size."""
+    getattr(trainer, "_eval_dataloaders", {}).clear()
+
+
+def training_columns(trainer, dataset, collator) -> tuple:
+    """(dataset, collator) with the columns the model's forward does not take removed, as the
+    Trainer removes them before collating its training batches."""
+    require(TRAINER, trainer)
+    if "datasets" in sys.modules and isinstance(dataset, sys.modules["datasets"].Dataset):
+        return trainer._remove_unused_columns(dataset, description="training"), collator
+    if hasattr(trainer, "_get_collator_with_removed_columns"):
+        return dataset, trainer._get_collator_with_removed_columns(collator, description="training")
+    return dataset, collator
+
+
+# -- PreTrainedModel's input hooks (gradient checkpointing) --------------------------------------
+def require_grads_hooks(model) -> list:
+    """The hooks `enable_input_require_grads` put on the input embeddings (inputs require grad)."""
+    return list(getattr(model, "_require_grads_hooks", None) or [])
+
+
+def forget_require_grads_hooks(model, own: list) -> None:
+    """Drop `own` (hooks already removed) from the model's record of them, so its disable does not
+    remove them again."""
+    hooks = getattr(model, "_require_grads_hooks", None)
+    if hooks is None:
+        return
+    model._require_grads_hooks = [h for h in hooks if h not in own]
+    if getattr(model, "_require_grads_hook", None) in own:
+        del model._require_grads_hook
+
+
+# -- PreTrainedModel's block classes ----------------------------------------------------------
+def no_split_modules(model) -> list:
+    """The class names a Hugging Face model says are never split across devices (its transformer
+    blocks): what `shard=True` wraps in fully_shard. [] for a model that names none."""
+    return list(getattr(model, "_no_split_modules", None) or ())
