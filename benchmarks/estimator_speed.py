@@ -81,12 +81,12 @@ def zoo_agreement() -> None:
     """Each zoo family at 6 layers: derived or walked whole, and the bytes against the whole walk."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from models import zoo
-    from autofit.engine.batches import batch_size
+    from autofit.engine.batches import rows_of
     rows = []
     for name, build in zoo().items():
         try:
             model, batch = deepened(build)
-            plan = Plan(batch_size(batch))
+            plan = Plan(rows_of(batch))
             whole = Estimator(model, batch, device_type="cpu", derive_repeated=False).measure(plan)
             estimator = Estimator(model, batch, device_type="cpu")
             derived = estimator.measure(plan)

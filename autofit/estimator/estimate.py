@@ -59,10 +59,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import _disable_current_modes
 
+from autofit import torch_internals as ti
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
 from autofit.estimator.eager_only import EagerOnly, eager_only
@@ -281,7 +280,7 @@ class Estimator:
         # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
         shape_env = ShapeEnv()
         shape_env.real_tensor_prop_unbacked_vals = Hints(shape_env)
-        self.mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
+        self.mode = ti.fake_tensor_mode_class()(shape_env=shape_env, static_shapes=True)
         check_optimizer(optimizer, model)  # a wrong argument is said as such, never sampled around
         self._source, self._sampled = (model, batch, optimizer), None
         if (why := eager_only(model)) is not None:  # fake tensors would estimate it low
@@ -336,7 +335,7 @@ class Estimator:
         """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on;
         tensors made without a device are CPU tensors, whatever default device the caller set."""
         stack = contextlib.ExitStack()
-        stack.enter_context(_disable_current_modes())
+        stack.enter_context(ti.disable_current_modes())
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.device("cpu"))
@@ -365,7 +364,7 @@ class Estimator:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         if self._sampled is None:
-            cached = len(FakeTensorMode.cache)
+            cached = len(ti.fake_tensor_mode_class().cache)
             try:
                 with self._quiet():
                     estimate = self._derived(plan) if after is None and limit is None else None
@@ -513,7 +512,7 @@ def _forget_cached_dispatch(keep: int) -> None:
     """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
     trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
     one estimator measuring many plans would otherwise grow host memory with every plan."""
-    cache = FakeTensorMode.cache
+    cache = ti.fake_tensor_mode_class().cache
     for key in list(itertools.islice(cache, keep, None)):
         cache.pop(key, None)
 
