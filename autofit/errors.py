@@ -37,6 +37,11 @@ class DoesNotFit(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class MissingInternal(RuntimeError):
+    """This torch (or transformers, accelerate) lacks a private name an autofit feature needs
+    (autofit.torch_internals and the other adapters name it, the version found and the feature)."""
+
+
 class PartialUpdateError(RuntimeError):
     """The optimizer ran out of memory mid-update without a snapshot; retrying would corrupt it.
     Not an out-of-memory error to recover from (oom.is_oom says no), though its text quotes one."""

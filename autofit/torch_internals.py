@@ -18,8 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 TESTED_WITH = "2.13"
 
 
-class MissingInternal(RuntimeError):
-    """This torch (or transformers, accelerate) lacks a private name an autofit feature needs."""
+from autofit.errors import MissingInternal  # noqa: E402  (errors imports nothing of autofit)
 
 
 def _resolve(path: str):
