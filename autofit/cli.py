@@ -14,6 +14,7 @@ import logging
 import sys
 import traceback
 
+from autofit.commands import finetune
 from autofit.commands import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from autofit.errors import one_line
 from autofit.commands.cache import cmd_cache_clear, cmd_cache_list, cmd_cache_show
@@ -65,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per sample (default 128)")
     probe.add_argument("--precision", choices=precisions.policies(), default=precisions.AUTO,
                        help="auto: may choose bf16 autocast; otherwise only that precision (default auto)")
+    probe.add_argument("--optimizer", choices=finetune.OPTIMIZERS, default="adamw",
+                       help="the optimizer whose state is priced (default adamw)")
+    probe.add_argument("--trainable", choices=finetune.TRAINABLE, default="full",
+                       help="what is trained: the whole model, the task head on a frozen base, or "
+                            "LoRA adapters (needs peft) (default full)")
+    probe.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                       help="the LoRA rank with --trainable lora (default 16)")
+    probe.add_argument("--weights", choices=finetune.WEIGHTS, default="fp32",
+                       help="the dtype of the model's weights (default fp32)")
     probe.add_argument("--context-reserve", metavar="SIZE", default=None,
                        help="the CUDA context's memory to subtract (default: measured when CUDA is "
                             "present, else 0.4 GiB)")

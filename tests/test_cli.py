@@ -137,7 +137,8 @@ PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpoin
                "per_parameter_step", "reshard_after_forward", "reduce_each_micro_batch"]
 ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
-JSON_FIELDS = ["model", "model_class", "parameters", "batch_size", "seq_len", "precision", "gpu_mem_bytes",
+JSON_FIELDS = ["model", "model_class", "parameters", "trainable", "trained_parameters", "optimizer", "weights",
+               "batch_size", "seq_len", "precision", "gpu_mem_bytes",
                "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_reserve_bytes",
                "usable_bytes", "fits", "plan", "predicted_peak_bytes", "predicted_reserved_bytes", "table",
                "breakdown", "host_optimizer_bytes", "reason"]
@@ -156,6 +157,8 @@ def test_probe_json_fits(capsys):
     assert (got["model"], got["model_class"], got["parameters"]) == ("tiny-bert",
                                                                      "BertForSequenceClassification", 168258)
     assert (got["batch_size"], got["seq_len"], got["precision"]) == (8, 16, "auto")
+    assert (got["trainable"], got["trained_parameters"], got["optimizer"], got["weights"]) == (
+        "full", 168258, "adamw", "fp32")
     assert got["fits"] is True and got["reason"] is None
     assert got["host_optimizer_bytes"] is None  # the chosen plan keeps its state on the device
     assert list(got["plan"]) == PLAN_FIELDS
@@ -179,20 +182,21 @@ def test_probe_text_fits(capsys):
     assert main(["probe", "--gpu-mem", "1GiB", "--context-reserve", "0.5GiB", *TINY]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert lines[:5] == [
+    assert lines[:6] == [
         "model            tiny-bert (BertForSequenceClassification, 0.17M parameters)",
+        "fine-tune        the whole model, AdamW, fp32 weights (0.17M trained parameters)",
         "global batch     8 x 16 tokens",
         "gpu memory       1.00 GiB",
         "context reserve  512.00 MiB (given)",
         "budget           512.00 MiB for tensors; a plan fits when its reserved peak is within 448.00 MiB, "
         "64.00 MiB kept for cuBLAS/cuDNN workspaces",
     ]
-    assert lines[6] == ("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
+    assert lines[7] == ("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
                         "whole batch):")
-    assert lines[7].split() == ["micro", "accum", "precision", "checkpointing", "offload", "time", "allocated",
+    assert lines[8].split() == ["micro", "accum", "precision", "checkpointing", "offload", "time", "allocated",
                                 "peak", "reserved", "peak", "fits"]
     # Plenty of room: the whole batch at once in fp32, the fastest plan, is the first row and chosen.
-    assert lines[9].split() == ["*", "8", "1", "fp32", "no", "no", "1.00", *lines[9].split()[7:11], "yes"]
+    assert lines[10].split() == ["*", "8", "1", "fp32", "no", "no", "1.00", *lines[10].split()[7:11], "yes"]
     chosen = [line for line in lines if line.startswith("*")]
     assert len(chosen) == 1 and chosen[0].endswith("yes")
     assert any(line.startswith("chosen plan: micro ") for line in lines)
@@ -347,8 +351,9 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert calls == [("BertForSequenceClassification", {"input_ids": [8, 16], "attention_mask": [8, 16],
                                                         "labels": [8]}, 824 * MiB,
-                      {"precision": "auto", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda"})]
-    assert out.splitlines()[6:] == [
+                      {"precision": "auto", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda",
+                       "optimizer": torch.optim.AdamW})]
+    assert out.splitlines()[7:] == [
         "plans estimated, fastest first (* chosen; time relative to one fp32 pass over the whole batch):",
         "   micro  accum  precision  checkpointing  offload  time  allocated peak  reserved peak  fits",
         "-  -----  -----  ---------  -------------  -------  ----  --------------  -------------  ----",
@@ -365,7 +370,8 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     assert err == ""
     assert main(argv + ["--json", "--precision", "bf16"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert calls[-1][3] == {"precision": "bf16", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda"}
+    assert calls[-1][3] == {"precision": "bf16", "caps": "reserved", "reserve": 64 * MiB, "device_type": "cuda",
+                            "optimizer": torch.optim.AdamW}
     assert [r["chosen"] for r in got["table"]] == [False, True, False]
     assert got["plan"] == Plan(16, 2).to_dict()
     assert (got["predicted_peak_bytes"], got["predicted_reserved_bytes"]) == (700 * MiB, 720 * MiB)
@@ -589,3 +595,50 @@ def test_table_errors(headers, rows, align, message):
     with pytest.raises(ValueError) as info:
         table(headers, rows, align=align)
     assert str(info.value) == message
+
+
+def _resident(capsys, *options):
+    """The chosen plan's resident bytes by kind (what the fine-tune holds whatever the batch)."""
+    code, got, _ = probe_json(capsys, "--gpu-mem", "1GiB", *TINY, *options)
+    assert code == 0
+    return got
+
+
+def test_probe_prices_the_optimizer_the_part_trained_and_the_weights(capsys):
+    from autofit.commands import finetune, models
+    full = _resident(capsys)
+    model, _ = models.load("tiny-bert", batch_size=8, seq_len=16)
+    params = sum(p.numel() for p in model.parameters())
+    assert full["trained_parameters"] == params == 168258
+    # AdamW: two fp32 moments per trained parameter; SGD with momentum one; plain SGD none
+    sgd = _resident(capsys, "--optimizer", "sgd")
+    momentum = _resident(capsys, "--optimizer", "sgd-momentum")
+    assert (sgd["optimizer"], momentum["optimizer"]) == ("sgd", "sgd-momentum")
+    state = {name: _state_bytes(got) for name, got in (("adamw", full), ("sgd", sgd), ("momentum", momentum))}
+    assert state["sgd"] == 0 < state["momentum"] < state["adamw"]
+    # a frozen base trains the classifier only: 64 x 2 weights + 2 biases
+    frozen = _resident(capsys, "--trainable", "frozen-base")
+    assert frozen["trained_parameters"] == 130 and frozen["breakdown"]["grads"] <= 2 * 512
+    # LoRA rank 4 on every linear layer (peft's "all-linear"; the classifier too, for a model peft
+    # is not told the task of)
+    lora = _resident(capsys, "--trainable", "lora", "--lora-rank", "4")
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lora["trained_parameters"] == sum(4 * (m.in_features + m.out_features) for m in linear)
+    assert lora["model_class"] == "PeftModel"
+    # bf16 weights: the parameters take half the bytes
+    bf16 = _resident(capsys, "--weights", "bf16")
+    assert bf16["breakdown"]["params"] < 0.6 * full["breakdown"]["params"]
+    assert finetune.OPTIMIZERS == ("adamw", "sgd", "sgd-momentum", "adafactor")
+
+
+def _state_bytes(got) -> int:
+    """The optimizer state the chosen plan keeps (offloaded or not), from its estimate's resident."""
+    return got["host_optimizer_bytes"] or got["breakdown"]["optimizer"]
+
+
+def test_probe_refuses_a_frozen_base_with_nothing_left_to_train(capsys):
+    code = main(["probe", "--gpu-mem", "1GiB", "--model", "tiny-gpt2", "--batch-size", "4", "--seq-len", "16",
+                 "--trainable", "frozen-base"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--trainable frozen-base leaves nothing to train in GPT2LMHeadModel" in err

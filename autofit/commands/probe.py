@@ -6,6 +6,7 @@ import json
 import sys
 
 from autofit.sizes import format_size
+from autofit.commands import finetune
 from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
 from autofit.errors import one_line
 
@@ -38,6 +39,7 @@ def cmd_probe(args) -> int:
     gpu_mem = size_arg("--gpu-mem", args.gpu_mem)
     positive_arg("--batch-size", args.batch_size)
     positive_arg("--seq-len", args.seq_len)
+    positive_arg("--lora-rank", args.lora_rank)
     import torch
     if args.verify and not torch.cuda.is_available():
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
@@ -46,10 +48,15 @@ def cmd_probe(args) -> int:
     from autofit.commands import models
     from autofit.estimator.start import WORKSPACE_RESERVE
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
+    with models.quiet_transformers():
+        model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
+                                 weights=args.weights)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
     header = {"model": spec, "model_class": type(model).__name__,
               "parameters": sum(p.numel() for p in model.parameters()),
+              "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
+              "optimizer": args.optimizer, "weights": args.weights,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision,
               "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
@@ -65,7 +72,8 @@ def cmd_probe(args) -> int:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
             # A card's limit caps what the caching allocator reserves: the reserved peak decides.
             candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
-                                       reserve=WORKSPACE_RESERVE, device_type="cuda")
+                                       reserve=WORKSPACE_RESERVE, device_type="cuda",
+                                       optimizer=finetune.optimizer_factory(args.optimizer))
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
@@ -88,6 +96,10 @@ def cmd_probe(args) -> int:
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+_TRAINED = {"full": "the whole model", "frozen-base": "the head on a frozen base", "lora": "LoRA adapters"}
+_OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with momentum", "adafactor": "Adafactor"}
 
 
 def _no_plan(header: dict, reason: str) -> dict:
@@ -125,6 +137,9 @@ def _probe_report(args, result: dict, shown) -> int:
     out(key_values([
         ("model", f"{result['model']} ({result['model_class']}, "
                   f"{result['parameters'] / 1e6:.2f}M parameters)"),
+        ("fine-tune", f"{_TRAINED[result['trainable']]}, {_OPTIMIZER_NAMES[result['optimizer']]}, "
+                      f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
+                      f"parameters)"),
         ("global batch", f"{result['batch_size']} x {result['seq_len']} tokens"),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
