@@ -619,12 +619,6 @@ def test_probe_prices_the_optimizer_the_part_trained_and_the_weights(capsys):
     # a frozen base trains the classifier only: 64 x 2 weights + 2 biases
     frozen = _resident(capsys, "--trainable", "frozen-base")
     assert frozen["trained_parameters"] == 130 and frozen["breakdown"]["grads"] <= 2 * 512
-    # LoRA rank 4 on every linear layer (peft's "all-linear"; the classifier too, for a model peft
-    # is not told the task of)
-    lora = _resident(capsys, "--trainable", "lora", "--lora-rank", "4")
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert lora["trained_parameters"] == sum(4 * (m.in_features + m.out_features) for m in linear)
-    assert lora["model_class"] == "PeftModel"
     # bf16 weights: the parameters take half the bytes
     bf16 = _resident(capsys, "--weights", "bf16")
     assert bf16["breakdown"]["params"] < 0.6 * full["breakdown"]["params"]
@@ -642,3 +636,15 @@ def test_probe_refuses_a_frozen_base_with_nothing_left_to_train(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "--trainable frozen-base leaves nothing to train in GPT2LMHeadModel" in err
+
+
+def test_probe_prices_lora_adapters(capsys):
+    pytest.importorskip("peft")
+    from autofit.commands import models
+    model, _ = models.load("tiny-bert", batch_size=8, seq_len=16)
+    # rank 4 on every linear layer (peft's "all-linear"; the classifier too, for a model peft is not
+    # told the task of)
+    lora = _resident(capsys, "--trainable", "lora", "--lora-rank", "4")
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lora["trained_parameters"] == sum(4 * (m.in_features + m.out_features) for m in linear) == 7944
+    assert lora["model_class"] == "PeftModel"
