@@ -35,7 +35,8 @@ def _resolve(path: str):
     raise AttributeError(path)
 
 
-def _present(path: str) -> bool:
+def present(path: str) -> bool:
+    """Whether the object at dotted `path` exists in this torch (or library)."""
     try:
         _resolve(path)
         return True
@@ -88,7 +89,7 @@ def missing(feature: str) -> list[str]:
         if isinstance(entry, tuple):
             if not _module_has(entry[1]):
                 out.append(f"torch.nn.Module().{entry[1]}")
-        elif not _present(entry):
+        elif not present(entry):
             out.append(entry)
     return out
 

@@ -24,22 +24,8 @@ def _private(name: str) -> bool:
 
 def _foreign_private_names(path: pathlib.Path, own: set[str]) -> set[str]:
     """Private names reached on objects other than `self`/`cls` and not autofit's own, and private
-    modules or names imported."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and _private(node.attr):
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
-                    and node.attr not in own:
-                found.add(node.attr)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 and \
-                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) and \
-                _private(node.args[1].value) and node.args[1].value not in own:
-            found.add(node.args[1].value)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {part for part in node.module.split(".") if _private(part)}
-            found |= {a.name for a in node.names if _private(a.name)}
-    return found
+    modules or names imported (the walk of `_reached`, below)."""
+    return _reached(path, own)
 
 
 def _own_private_names() -> set[str]:

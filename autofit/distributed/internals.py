@@ -16,6 +16,8 @@ from datetime import timedelta
 
 import torch
 
+from autofit import torch_internals as ti
+
 # What `internals_missing` checks, by the object it is read on. Every private name (`_x`) used in
 # this module is here, and so is every public-looking name of a private object.
 CHECKED = {
@@ -246,19 +248,7 @@ def drop_attempt(model, units) -> None:
 
 # -- the check ---------------------------------------------------------------------------------
 def _has(path: str) -> bool:
-    import importlib
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            if not hasattr(obj, name):
-                return False
-            obj = getattr(obj, name)
-        return True
-    return False
+    return ti.present(path)
 
 
 def missing(sharded: bool = False) -> list[str]:

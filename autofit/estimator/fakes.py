@@ -23,6 +23,13 @@ def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     The copy shares nothing with the model, and no tensor data is copied: a deepcopy whose memo
     already maps every tensor of the model to its fake stand-in.
     """
+    memo, fakes = fake_memo(model)
+    return copy.deepcopy(model, memo), fakes
+
+
+def fake_memo(model: torch.nn.Module) -> tuple[dict, dict]:
+    """(a deepcopy memo mapping every tensor of `model` to its fake stand-in, {id(real): fake}):
+    every parameter, buffer and plain tensor attribute of its modules (call under a FakeTensorMode)."""
     memo: dict = {}
     fakes: dict = {}
     tensors = itertools.chain(model.parameters(), model.buffers(),
@@ -31,7 +38,7 @@ def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     for t in tensors:
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)
-    return copy.deepcopy(model, memo), fakes
+    return memo, fakes
 
 
 # -- the optimizer ------------------------------------------------------------------------------

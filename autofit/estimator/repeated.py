@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import torch
 
-from autofit.estimator.fakes import fake_like
+from autofit.estimator.fakes import fake_memo
 
 MIN_BLOCKS = 5  # fewer: the walks the derivation needs (3 and 4 blocks) are not cheaper
 
@@ -86,14 +86,7 @@ def cut_fake_model(model: torch.nn.Module, path: str, keep: int) -> tuple[torch.
     first `keep` blocks only; {id(real tensor): fake} for the tensors the copy holds. The model is
     read, never changed: a new list of the copied blocks is given to deepcopy through its memo."""
     blocks = model.get_submodule(path)
-    memo: dict = {}
-    fakes: dict = {}
-    tensors = itertools.chain(model.parameters(), model.buffers(),
-                              (v for m in model.modules() for v in vars(m).values()
-                               if isinstance(v, torch.Tensor)))
-    for t in tensors:
-        if id(t) not in fakes:
-            fakes[id(t)] = memo[id(t)] = fake_like(t)
+    memo, fakes = fake_memo(model)
     kept = [(name, copy.deepcopy(child, memo))
             for name, child in itertools.islice(blocks.named_children(), keep)]
     cut = torch.nn.Sequential(OrderedDict(kept)) if type(blocks) is torch.nn.Sequential \
