@@ -38,12 +38,12 @@ def _fields(batch, path="batch"):
 ROWS, WHOLE, STRUCTURE = "rows", "whole", "structure"
 
 
-def _is_array(value) -> bool:
+def is_array(value) -> bool:
     return isinstance(value, torch.Tensor) or (np is not None and isinstance(value, np.ndarray))
 
 
 def _holds_array(value) -> bool:
-    if _is_array(value):
+    if is_array(value):
         return True
     if isinstance(value, Mapping):
         return any(_holds_array(v) for v in value.values())
@@ -71,7 +71,7 @@ def _sequence_kind(value, rows: int, path: str) -> str:
 
 def _arrays(batch, path="batch"):
     """(path, array) for every array of the batch's structure (where its rows are counted)."""
-    if _is_array(batch):
+    if is_array(batch):
         yield path, batch
     elif isinstance(batch, Mapping):
         for k, v in batch.items():
@@ -84,7 +84,7 @@ def _arrays(batch, path="batch"):
 def per_row_fields(batch, path="batch", rows=None):
     """(path, value) for every field split with the rows: arrays and per-row lists."""
     rows = rows_of(batch) if rows is None else rows
-    if _is_array(batch):
+    if is_array(batch):
         yield path, batch
     elif isinstance(batch, Mapping):
         for k, v in batch.items():
@@ -127,7 +127,7 @@ def row_elements(batch) -> int:
     memory and count nothing.
     """
     rows = max(rows_of(batch), 1)
-    return sum(_numel(v) // rows for _, v in per_row_fields(batch, rows=rows) if _is_array(v))
+    return sum(_numel(v) // rows for _, v in per_row_fields(batch, rows=rows) if is_array(v))
 
 
 def _numel(array) -> int:
@@ -143,7 +143,7 @@ def slice_batch(batch, start: int, stop: int, rows: int | None = None):
 
 
 def _slice(batch, start, stop, rows, path):
-    if _is_array(batch):
+    if is_array(batch):
         return batch[start:stop]
     if isinstance(batch, Mapping):
         return type(batch)({k: _slice(v, start, stop, rows, f"{path}[{k!r}]") for k, v in batch.items()})

@@ -100,10 +100,3 @@ class Lockstep(Protocol):
     def combine_eval(self, result): ...
     def finish(self) -> None: ...
     def close(self) -> None: ...
-
-
-def members(protocol) -> list[str]:
-    """The names a protocol asks for: its annotated attributes and its methods."""
-    names = set(getattr(protocol, "__annotations__", {}))
-    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
-    return sorted(names)

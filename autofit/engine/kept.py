@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
+from autofit.engine.batches import rows_of
+
 
 def loss_and_kept(result):
     """(loss, kept) of what a loss returned: a loss alone, or a pair (loss, kept)."""
@@ -54,12 +56,19 @@ def join(parts: list):
                     f"{type(first).__name__}; return (loss, kept) with per-row tensors.")
 
 
-def joined(parts: list, layout):
+def joined(parts: list, layout, rows: int | None = None):
     """Kept outputs as a loss_fn returned them (laid out as the batch, `layout`), joined along
-    their rows and given back in that layout; None for no part."""
+    their rows and given back in that layout; None for no part. `rows`: how many rows they must
+    cover (one per row of the batch), else a ValueError saying so."""
     if not parts:
         return None
-    return layout.as_given(join([layout.rows_first(p, "kept outputs") for p in parts]), "kept outputs")
+    whole = join([layout.rows_first(p, "kept outputs") for p in parts])
+    if rows is not None:
+        if rows_of(whole) != rows:
+            raise ValueError(f"the loss_fn's kept outputs have {rows_of(whole)} rows for a batch of {rows}: "
+                             f"each micro-batch must return one row per row it was given (laid out as "
+                             f"the batch is, batch_dim), and every micro-batch must return them.")
+    return layout.as_given(whole, "kept outputs")
 
 
 def _same_structure(parts, shape) -> None:

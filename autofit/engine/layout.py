@@ -22,19 +22,15 @@ along dimension 0 anyway.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Mapping
 
 import torch
 
+from autofit.engine.batches import is_array
+
 # Layers whose `batch_first` says which dimension of their input is the batch.
 _LAYOUT_LAYERS = (torch.nn.RNNBase, torch.nn.MultiheadAttention, torch.nn.Transformer,
                   torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
-
-
-def _is_array(value) -> bool:
-    from autofit.engine.batches import _is_array as is_array
-    return is_array(value)
 
 
 class Layout:
@@ -83,13 +79,12 @@ class Layout:
             return given
         from autofit.engine.token_loss import loss_fn_takes_items
 
-        def given(model, batch, **items):  # items: {} or {"num_items_in_batch": n}
-            return loss_fn(model, self.as_given(batch), **items)
         if loss_fn_takes_items(loss_fn):
-            given.__signature__ = _ITEMS_SIGNATURE
+            def given(model, batch, num_items_in_batch=None):
+                return loss_fn(model, self.as_given(batch), num_items_in_batch=num_items_in_batch)
         else:
-            given.__signature__ = _ITEMS_SIGNATURE.replace(parameters=list(
-                _ITEMS_SIGNATURE.parameters.values())[:2])
+            def given(model, batch):
+                return loss_fn(model, self.as_given(batch))
         return given
 
     def metric_fn(self, metric_fn):
@@ -141,12 +136,6 @@ class Layout:
         return _leaves(batch, self.default, what, move)
 
 
-_ITEMS_SIGNATURE = inspect.Signature([
-    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    inspect.Parameter("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    inspect.Parameter("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY, default=None)])
-
-
 class _RowsFirst:
     """Batches of `data`, each made row-first when read; as long as `data` when it has a length."""
 
@@ -167,7 +156,7 @@ def _check_dim(dim, name) -> None:
 
 
 def _leaves(value, dim, path, move):
-    if _is_array(value):
+    if is_array(value):
         return move(value, dim, path)
     if isinstance(value, Mapping):
         return type(value)({k: _leaves(v, dim, f"{path}[{k!r}]", move) for k, v in value.items()})

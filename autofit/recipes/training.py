@@ -1,4 +1,6 @@
 """The setup one training job needs, shared by `autofit.run` and `autofit.stepper`.
+(Over 300 lines: setup, start, each global batch and cleanup are one object's life and share its
+state; the parts that stand alone live in their own modules: options, layout, kept, the lockstep.)
 
 setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
 model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
@@ -227,14 +229,8 @@ class Training:
 
     def _kept(self, local):
         """The successful attempt's kept outputs, joined and laid out as the batch is."""
-        kept, self.runner.kept = joined(self.runner.kept, self.layout), []
-        if kept is not None:
-            rows, want = rows_of(self.layout.rows_first(kept, "kept outputs")), rows_of(local)
-            if rows != want:
-                raise ValueError(f"the loss_fn's kept outputs have {rows} rows for a batch of {want}: each "
-                                 f"micro-batch must return one row per row it was given (laid out as the "
-                                 f"batch is, batch_dim), and every micro-batch must return them.")
-        return kept
+        parts, self.runner.kept = self.runner.kept, []
+        return joined(parts, self.layout, rows=rows_of(local))
 
     def evaluate(self, data, *, metric_fn=None, expect_like=None, progress=False):
         """autofit.evaluate on this job's device with its loss: inference mode, its own batch size
