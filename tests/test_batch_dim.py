@@ -4,6 +4,8 @@ The model is the word-language-model loop's: time-first batches `(time, batch)`,
 batch_first=False, and its hidden state carried from one batch to the next (truncated BPTT).
 """
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -209,3 +211,74 @@ def test_run_with_batch_dim_refuses_what_collates_rows_first():
     data = torch.utils.data.TensorDataset(torch.zeros(4, 3))
     with pytest.raises(ValueError, match=r"batch_dim=1 needs data given as batches laid out that way"):
         autofit.run(WordLM(), data, batch_size=2, loss_fn=lm_loss, batch_dim=1, progress=False)
+
+
+def test_time_first_batches_through_offload_with_a_scheduler_a_shuffled_loader_and_a_saved_state():
+    """The user's job as run: SGD with momentum, StepLR, a shuffled DataLoader of time-first chunks,
+    dropout on, the optimizer's state_dict saved mid-run; an OOM in the first step
+    steps to offload: the same parameters, hidden state, learning rate and
+    saved state as the plain loop at the same plans."""
+    chunks = time_first_batches(4, seed=5)
+
+    def loader():
+        return torch.utils.data.DataLoader(chunks, batch_size=None, shuffle=True,
+                                           generator=torch.Generator().manual_seed(7))
+
+    def model():
+        m = WordLM()
+        m.dropout = nn.Dropout(0.2)
+        return m
+
+    def loss_with_dropout(m, batch):
+        tokens, targets, h, c = batch
+        out, (h, c) = m.rnn(m.dropout(m.encoder(tokens)), (h, c))
+        return nn.functional.cross_entropy(m.decoder(out).reshape(-1, VOCAB), targets.reshape(-1)), (h, c)
+
+    def build(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    ladder = [lambda p: None if p.offload_optimizer else p.replace(offload_optimizer=True),
+              lambda p: p.with_micro_batch(p.micro_batch_size // 2, B) if p.micro_batch_size > 1 else None]
+    torch.manual_seed(3)
+    trained, (h, c) = model(), zero_state()
+    opt, sched = build(trained)
+    saved = None
+    with autofit.simulate_gpu() as gpu:
+        with autofit.stepper(trained, opt, scheduler=sched, loss_fn=loss_with_dropout, batch_dim=1,
+                             precision="fp32", cache=False, capacity_check=False, ladder=ladder) as step:
+            plans = []
+            for i, (tokens, targets) in enumerate(loader()):
+                if i == 0:
+                    gpu.fail_at(gpu.allocation_count)  # the first step's first allocation: offload
+                out = step((tokens, targets, h, c))
+                h, c = out.kept
+                plans.append(out.plan)
+                if i == 1:
+                    saved = copy.deepcopy(opt.state_dict())
+    assert [(p.offload_optimizer, p.micro_batch_size) for p in plans] == [(True, 8)] * 4
+    torch.manual_seed(3)
+    reference, (ref_h, ref_c) = model(), zero_state()
+    ref_opt, ref_sched = build(reference)
+    ref_saved = None
+    for i, ((tokens, targets), plan) in enumerate(zip(loader(), plans)):
+        m, new_h, new_c = plan.micro_batch_size, [], []
+        for j in range(0, B, m):
+            part = device_copy((tokens[:, j:j + m], targets[:, j:j + m], ref_h[:, j:j + m], ref_c[:, j:j + m]))
+            loss, (ph, pc) = loss_with_dropout(reference, part)
+            (loss * (part[0].shape[1] / B)).backward()
+            new_h.append(ph.detach())
+            new_c.append(pc.detach())
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_h, ref_c = torch.cat(new_h, 1), torch.cat(new_c, 1)
+        if i == 1:
+            ref_saved = copy.deepcopy(ref_opt.state_dict())
+    for p, q in zip(trained.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(h, ref_h) and torch.equal(c, ref_c)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.025
+    assert saved["state"].keys() == ref_saved["state"].keys() and all(
+        torch.equal(saved["state"][k]["momentum_buffer"], ref_saved["state"][k]["momentum_buffer"])
+        for k in saved["state"])
