@@ -130,6 +130,23 @@ def row_elements(batch) -> int:
     return sum(_numel(v) // rows for _, v in per_row_fields(batch, rows=rows) if is_array(v))
 
 
+def tokens_per_row(batch) -> int | None:
+    """Token positions per row of a token batch: the longest integer field with positions (an
+    integer array of two or more dimensions, e.g. input_ids of rows x sequence), as numel / rows.
+    None when the batch has none (images, audio features, tabular rows): its rows are the unit of
+    work. The cost model weighs a micro-batch of tokens by them (autofit.estimator.cost)."""
+    rows = max(rows_of(batch), 1)
+    counts = [_numel(v) // rows for _, v in per_row_fields(batch, rows=rows)
+              if is_array(v) and v.ndim >= 2 and _is_integer(v)]
+    return max(counts) if counts else None
+
+
+def _is_integer(array) -> bool:
+    if isinstance(array, torch.Tensor):
+        return not array.dtype.is_floating_point and not array.dtype.is_complex and array.dtype != torch.bool
+    return array.dtype.kind in "iu"
+
+
 def _numel(array) -> int:
     return array.numel() if isinstance(array, torch.Tensor) else int(array.size)
 

@@ -32,7 +32,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from autofit.engine.batches import rows_of
+from autofit.engine.batches import rows_of, tokens_per_row
 from autofit.engine.checkpointing import Checkpointing
 from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.estimator.estimate import Estimator, MemoryEstimate
@@ -110,6 +110,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                                       or max_estimates < 1):
         raise ValueError(f"max_estimates must be a positive int or None but got {max_estimates!r}.")
     global_batch = rows_of(batch)
+    tokens = tokens_per_row(batch)  # token batches are weighed by their tokens (estimator/cost)
     if estimator is None:
         estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
                                    sharding=sharding)
@@ -119,7 +120,8 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
         reshard = _reshard_choices(model, estimator.sharding)
     plans = candidate_plans(global_batch, precision, bf16_supported=bf16_supported,
                             allow_offload=allow_offload,
-                            checkpointing=Checkpointing(estimator.model).available, reshard=reshard)
+                            checkpointing=Checkpointing(estimator.model).available, reshard=reshard,
+                            tokens_per_row=tokens)
     usable = usable_bytes(budget, margin=margin, reserve=reserve)
     limit = usable / calibration
     measured: dict[Plan, Candidate] = {}
@@ -145,7 +147,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                             "capacity check", plan.describe(), dropped[config_of(plan)], plain.describe())
                 raise _Dropped from None
             measured[plan] = Candidate(plan, est, est.peak(caps) * calibration <= usable,
-                                       plan_cost(plan, global_batch))
+                                       plan_cost(plan, global_batch, tokens))
         return measured[plan]
 
     def fits(plan: Plan) -> bool:
@@ -175,9 +177,9 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
             if not any(fits(p) for p in tight):
                 return _sorted(measured, plans)
         # Visit configurations by their best possible cost (their largest micro-batch).
-        for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch)):
+        for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch, tokens)):
             group = sorted(group, key=lambda p: -p.micro_batch_size)
-            group = [p for p in group if plan_cost(p, global_batch) < best]
+            group = [p for p in group if plan_cost(p, global_batch, tokens) < best]
             if group:
                 try:
                     found = _largest_fitting(group, measure, limit,
@@ -185,7 +187,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                 except _Dropped:
                     continue  # a configuration whose move cannot run: the others are searched
                 if found is not None:
-                    best = min(best, plan_cost(found, global_batch))
+                    best = min(best, plan_cost(found, global_batch, tokens))
         if not any(c.fits for c in measured.values()) and plans:
             fits(frugal)
     except _OutOfEstimates:

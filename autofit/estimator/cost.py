@@ -11,6 +11,16 @@ batch in one fp32 micro-batch, without checkpointing or offload. It is a model, 
   Below BUSY_FLOOR (8) rows a GPU is not kept busy, so 2 rows take as long as 8; every micro-batch
   also pays a fixed cost (kernel launches, synchronisation) worth MICRO_OVERHEAD (1) row. So fewer,
   larger micro-batches are faster, and micro-batches below 8 are heavily penalised.
+- token batches (`tokens_per_row`, from `engine.batches.tokens_per_row`): the work of a micro-batch
+  is its tokens, and a GPU is busy with BUSY_FLOOR rows or BUSY_TOKENS (2048) tokens, whichever
+  comes first. In tokens: `max(n * tokens_per_row, floor) + floor / BUSY_FLOOR` with
+  `floor = min(BUSY_TOKENS, BUSY_FLOOR * tokens_per_row)`. Rows of 256 tokens or fewer keep the row
+  rule exactly (8 rows are busy; 2048 tokens at 256 per row is 8 rows); longer rows are busy sooner:
+  3 rows of 1024 tokens (3072) are not charged as an idle GPU, so 8 rows of 1024 split 3 + 3 + 2
+  cost 1.06, below bf16 (1.15) and checkpointing (1.33) - the exact-math plan the row rule
+  (3.0) would have ranked last. Other batches (images, audio features, tabular rows) keep the row rule:
+  autofit cannot tell the compute of a pixel or a feature from its count, and their rows are
+  already sizeable units of work.
 - precision: mixed precision (bf16/fp16) is charged MIXED_PRECISION_COST (1.15x). It runs faster
   on tensor cores, but it changes the mathematics, and autofit prefers exact math: the factor is
   set just above the accumulation cost of micro-batches of 8 rows ((8+1)/8 = 1.125), so exact
@@ -39,6 +49,7 @@ from autofit.plans.plan import Plan
 from autofit.plans.precision import get as get_precision
 
 MICRO_OVERHEAD = 1            # fixed cost of one micro-batch, in rows
+BUSY_TOKENS = 2048            # tokens that keep a GPU busy however few rows hold them: 8 rows of 256
 # Each switch's factor is its entry's in plans/switches.py; named here as the docstring names them.
 CHECKPOINT_COST = switches.get("checkpointing").cost        # one more forward
 OFFLOAD_COST = switches.get("offload_optimizer").cost       # host update and transfers
@@ -54,15 +65,23 @@ def micro_batch_sizes(global_batch: int) -> list[int]:
     return sorted({-(-global_batch // k) for k in range(1, global_batch + 1)}, reverse=True)
 
 
-def plan_cost(plan: Plan, global_batch: int) -> float:
-    """Relative step time of `plan` for a global batch (1.0: one fp32 micro-batch of all of it)."""
+def plan_cost(plan: Plan, global_batch: int, tokens_per_row: int | None = None) -> float:
+    """Relative step time of `plan` for a global batch (1.0: one fp32 micro-batch of all of it).
+    `tokens_per_row`: a token batch's positions per row (the micro-batches are weighed by their
+    tokens, see the module docstring); None: by their rows."""
     _check_positive("global_batch", global_batch)
+    if tokens_per_row is not None:
+        _check_positive("tokens_per_row", tokens_per_row)
+    unit = tokens_per_row or 1  # the work of a row: its tokens, else one row
+    floor = min(BUSY_TOKENS, BUSY_FLOOR * tokens_per_row) if tokens_per_row else BUSY_FLOOR
+    overhead = MICRO_OVERHEAD * floor / BUSY_FLOOR  # in rows: MICRO_OVERHEAD; in tokens: the same share
+
+    def work(rows: int) -> float:
+        return max(rows * unit, floor) + overhead
+
     m = min(plan.micro_batch_size, global_batch)
     full, last = divmod(global_batch, m)
-    rows = full * (max(m, BUSY_FLOOR) + MICRO_OVERHEAD)
-    if last:
-        rows += max(last, BUSY_FLOOR) + MICRO_OVERHEAD
-    cost = rows / (max(global_batch, BUSY_FLOOR) + MICRO_OVERHEAD)
+    cost = (full * work(m) + (work(last) if last else 0)) / work(global_batch)
     cost *= get_precision(plan.precision).cost
     for switch in switches.SWITCHES:
         cost *= switch.cost_of(plan)
@@ -71,7 +90,7 @@ def plan_cost(plan: Plan, global_batch: int) -> float:
 
 def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16_supported: bool = True,
                     allow_offload: bool = True, checkpointing: bool = True,
-                    reshard: tuple = (None,)) -> list[Plan]:
+                    reshard: tuple = (None,), tokens_per_row: int | None = None) -> list[Plan]:
     """Every plan worth considering for a global batch, fastest first (by `plan_cost`; ties: fp32,
     no checkpointing, no offload, larger micro-batch first).
 
@@ -80,7 +99,7 @@ def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16
     (`checkpointing=False`: off only), offload off and on (`allow_offload=False`: off only).
     `reshard`: the values of FSDP2's reshard_after_forward to consider, for a sharded model (then
     every plan with more than one micro-batch comes also with a reduce-scatter per micro-batch);
-    (None,): not sharded.
+    (None,): not sharded. `tokens_per_row`: as `plan_cost`'s.
     """
     allowed = precisions.allowed(precision, bf16_supported)
     sharded = reshard != (None,)
@@ -93,7 +112,7 @@ def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16
              for m in micro_batch_sizes(global_batch)
              for e in ((False, True) if sharded and m < global_batch else (False,))]
     order = {p: i for i, p in enumerate(precisions.names())}
-    return sorted(plans, key=lambda p: (plan_cost(p, global_batch), order[p.precision], p.checkpointing,
+    return sorted(plans, key=lambda p: (plan_cost(p, global_batch, tokens_per_row), order[p.precision], p.checkpointing,
                                         p.offload_optimizer, bool(p.reshard_after_forward),
                                         p.reduce_each_micro_batch, -p.micro_batch_size))
 

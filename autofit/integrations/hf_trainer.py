@@ -24,6 +24,7 @@ import torch
 
 from autofit.plans import precision as precisions
 from autofit.estimator.capacity import needs_message, rank
+from autofit.engine.batches import tokens_per_row
 from autofit.estimator.cost import plan_cost
 from autofit.errors import DoesNotFit
 from autofit.plans.ladder import Move
@@ -160,11 +161,12 @@ def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
                                               "down on an out-of-memory error")
         return None
     best = None
+    tokens = tokens_per_row(batch)  # weighed as the capacity check weighs them (estimator/cost)
     for c in candidates:
         if c.fits:  # round down to a divisor: the same configuration with fewer rows fits too
             micro = max(d for d in range(1, c.plan.micro_batch_size + 1) if rows % d == 0)
             plan = c.plan.replace(micro_batch_size=micro, accumulation_steps=rows // micro)
-            if best is None or plan_cost(plan, rows) < plan_cost(best[0], rows):
+            if best is None or plan_cost(plan, rows, tokens) < plan_cost(best[0], rows, tokens):
                 best = (plan, c.estimate.peak_bytes)
     if best is None:
         args = trainer.args

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit.plans import precision as precisions
-from autofit.engine.batches import rows_of
-from autofit.engine.batches import token_counter
+from autofit.engine.batches import rows_of, token_counter, tokens_per_row
 from autofit.estimator.capacity import rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost
 from autofit.engine.controller import Controller
@@ -185,6 +184,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
             if plan not in space:
                 space.append(plan)
     order = {p: i for i, p in enumerate(precisions.names())}
-    rest = sorted(space[1:], key=lambda p: (plan_cost(p, global_batch), order[p.precision],
+    tokens = tokens_per_row(batch)  # weighed as the capacity check weighs them
+    rest = sorted(space[1:], key=lambda p: (plan_cost(p, global_batch, tokens), order[p.precision],
                                             p.checkpointing, p.offload_optimizer, -p.micro_batch_size))
     return default, [default] + rest
