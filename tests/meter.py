@@ -15,16 +15,36 @@ def rounded(nbytes: int) -> int:
 def allocator_peak(work) -> int:
     """The most bytes `work()` has allocated at once above what was live before it, each allocation
     rounded to BLOCK as a card's allocator rounds it (frees of blocks made before count too)."""
+    return peak_and_blocks(work)[0]
+
+
+def peak_and_blocks(work) -> tuple[int, list]:
+    """(peak as allocator_peak, the allocations `work()` made that were live at that peak: (bytes,
+    the innermost op running when each was made, or "" outside any op)). The profiler's memory
+    events carry no address, so a free is paired with the latest live allocation of its size."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         work()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    running = []  # (end_ns, name) of the ops enclosing the current event
+    live, blocks, peak, at_peak = 0, [], 0, []
     for event in events:
+        while running and running[-1][0] < event.start_ns():
+            running.pop()
+        if event.name() != "[memory]":
+            running.append((event.start_ns() + event.duration_ns(), event.name()))
+            continue
         n = event.nbytes()
-        live += rounded(n) if n > 0 else -rounded(-n)
-        peak = max(peak, live)
-    return peak
+        if n > 0:
+            blocks.append((n, running[-1][1] if running else ""))
+            live += rounded(n)
+        else:
+            same = [i for i, (b, _) in enumerate(blocks) if b == -n]
+            if same:
+                blocks.pop(same[-1])
+            live -= rounded(-n)
+        if live > peak:
+            peak, at_peak = live, list(blocks)
+    return peak, at_peak
 
 
 def both_peaks(make, optimizer_class, batch, loss_fn) -> tuple[int, int]:
