@@ -18,7 +18,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from common import table  # noqa: E402
-from meter import both_peaks, peak_and_blocks  # noqa: E402
+from meter import both_peaks, peak_and_blocks, plain_step  # noqa: E402
 from reference import bert, cls_batches, gpt2, lm_batches  # noqa: E402
 
 
@@ -47,13 +47,7 @@ def main():
 
 
 def _small_blocks(make, optimizer_class, batch, loss_fn) -> str:
-    model = make()
-    optimizer = optimizer_class(model.parameters(), lr=1e-3)
-
-    def step():
-        loss_fn(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = plain_step(make(), optimizer_class, batch, loss_fn)
     step()
     _, blocks = peak_and_blocks(step)
     where = {}

@@ -52,25 +52,28 @@ def both_peaks(make, optimizer_class, batch, loss_fn) -> tuple[int, int]:
     one (the optimizer's state made by the first), each on a fresh `make()` model."""
     import autofit  # only for the simulated side
 
-    def step_of(model):
-        optimizer = optimizer_class(model.parameters(), lr=1e-3)
-
-        def step():
-            loss_fn(model, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return step
-    step = step_of(make())
+    step = plain_step(make(), optimizer_class, batch, loss_fn)
     step()
     measured = allocator_peak(step)
     model = make()
     with autofit.simulate_gpu() as gpu:
         for t in list(model.parameters()) + list(model.buffers()):
             t.data = t.data.clone()  # the model on the simulated GPU, as a run places it
-        step = step_of(model)
+        step = plain_step(model, optimizer_class, batch, loss_fn)
         step()
         before = gpu.memory_allocated()
         gpu.reset_peak_memory_stats()
         step()
         simulated = gpu.max_memory_allocated() - before
     return measured, simulated
+
+
+def plain_step(model, optimizer_class, batch, loss_fn):
+    """One plain training step of `model` (forward, backward, step, zero_grad) as a function."""
+    optimizer = optimizer_class(model.parameters(), lr=1e-3)
+
+    def step():
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step

@@ -6,7 +6,7 @@ for Python numbers wrapped as host tensors (see the last test), which are no car
 import pytest
 import torch
 
-from meter import BLOCK, both_peaks, peak_and_blocks
+from meter import BLOCK, both_peaks, peak_and_blocks, plain_step
 from reference import bert, cls_batches, gpt2, lm_batches
 
 
@@ -37,13 +37,7 @@ def test_c10_counts_beyond_the_simulated_gpu_only_the_python_numbers_autograd_ke
     On a card they stay host tensors: c10's peak is the simulated GPU's plus one block for each."""
     batch, loss_fn = lm_batches(1, rows=8)[0], lambda m, b: m(**b).loss
     measured, simulated = both_peaks(gpt2, optimizer, batch, loss_fn)
-    model = gpt2()
-    opt = optimizer(model.parameters(), lr=1e-3)
-
-    def step():
-        loss_fn(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = plain_step(gpt2(), optimizer, batch, loss_fn)
     step()
     peak, blocks = peak_and_blocks(step)
     wrapped = [n for n, op in blocks if op == "" and n == 8]
