@@ -79,6 +79,7 @@ from autofit.estimator.fakes import (
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
 from autofit.engine.step import StepRunner
@@ -263,6 +264,8 @@ class Estimator:
     """Fake copies of a model, its optimizer (with state) and a batch, made once; `measure(plan)`
     runs one step per plan. `estimate()` is one plan; `autofit.estimator.capacity.rank` measures many."""
 
+    sharding = None  # estimator/sharded.Sharding: how a sharded estimate's copy is sharded
+
     def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
                  derive_repeated: bool = True):
         if not isinstance(model, torch.nn.Module):
@@ -352,6 +355,12 @@ class Estimator:
         return {"params": storage_bytes(params),
                 "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
                 "optimizer": storage_bytes(self._state())}
+
+    def measured_plan(self, plan: Plan) -> Plan:
+        """`plan` as this estimate runs it: each switch with an `estimate` hook (plans/switches.py)
+        set to the value the hook gives; the others are the plan's, applied by the step's hooks."""
+        return plan.replace(**{s.name: hook(self, plan) for s in switches.SWITCHES
+                               if (hook := s.estimate_hook()) is not None})
 
     def measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
         """The estimate of `plan`'s step. With `after` (the plan of the step before it), that step

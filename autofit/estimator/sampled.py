@@ -73,7 +73,7 @@ class SampledEstimator(Estimator):
     def measure(self, plan: Plan) -> MemoryEstimate:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
-        on_device = plan.replace(offload_optimizer=False)
+        on_device = self.measured_plan(plan)  # offload's samples run on the device (offload_measured)
         accumulation = 2 if self.full_rows > plan.micro_batch_size else 1
         points, first_error = [], None
         with self._quiet(), restored(self.model, self.optimizer):
@@ -102,6 +102,13 @@ class SampledEstimator(Estimator):
                 f"the batch has {self.full_rows} row(s); a real sample needs at least one.")
         self.estimates += 1
         return _extrapolate(points, plan)
+
+
+def offload_measured(estimator, plan: Plan) -> bool:
+    """Optimizer offload in an estimate (plans/switches.py `estimate`): a sampled estimate runs its
+    samples with the state on the device and `_extrapolate` takes the state off the peak; the
+    fake-tensor estimate runs the offloaded step itself."""
+    return plan.offload_optimizer and not isinstance(estimator, SampledEstimator)
 
 
 def _extrapolate(points: list, plan: Plan) -> MemoryEstimate:
