@@ -35,6 +35,10 @@ def pin_hook(runner, plan):
     STEPPED.append((runner, plan.pinned_memory))
 
 
+def pin_applies(plan, model, optimizer, device, checkpointing):
+    return f"no pinned memory on {device.type}" if plan.pinned_memory and device.type == "cpu" else None
+
+
 def pin_measured(estimator, plan):
     return not plan.pinned_memory  # the estimate runs the opposite, to be seen
 
@@ -44,7 +48,8 @@ PINNED = switches.Switch(
     turn_on=lambda plan: None if plan.pinned_memory else plan.replace(pinned_memory=True),
     label=lambda v: "pinned" if v else None, config=lambda v: ("pinned",) if v else (),
     change=lambda v: "pinned memory " + ("on" if v else "off"), fix="pinned",
-    step=f"{__name__}:pin_hook", tries=lambda trial: (False, True), estimate=f"{__name__}:pin_measured")
+    step=f"{__name__}:pin_hook", tries=lambda trial: (False, True), applies=f"{__name__}:pin_applies",
+    estimate=f"{__name__}:pin_measured")
 
 
 @pytest.fixture
@@ -77,6 +82,8 @@ def test_a_switch_added_to_the_registry_is_set_by_the_step_and_read_by_the_estim
                         loss_fn=lambda m, b: m(b).pow(2).mean())
     runner.run(torch.ones(4, 2), PinnedPlan(2, 2, pinned_memory=True))
     runner.run(torch.ones(4, 2), PinnedPlan(4))
+    assert runner.not_applicable(PinnedPlan(4, pinned_memory=True)) == "no pinned memory on cpu"
+    assert runner.not_applicable(PinnedPlan(4)) is None
     assert STEPPED == [(runner, True), (runner, False)]  # once per attempt, through its hook
     estimator = Estimator(model, torch.ones(4, 2), torch.optim.SGD, lambda m, b: m(b).pow(2).mean(),
                           device_type="cpu")
@@ -86,6 +93,8 @@ def test_a_switch_added_to_the_registry_is_set_by_the_step_and_read_by_the_estim
 def test_every_switch_names_hooks_that_exist_and_the_registry_imports_none_of_them():
     for switch in switches.SWITCHES:
         assert list(inspect.signature(switch.step_hook()).parameters) == ["runner", "plan"], switch.name
+        assert list(inspect.signature(switch.applies_hook()).parameters) == [
+            "plan", "model", "optimizer", "device", "checkpointing"], switch.name
         hook = switch.estimate_hook()
         assert hook is None or list(inspect.signature(hook).parameters) == ["estimator", "plan"], switch.name
     assert [s.name for s in switches.SWITCHES if s.estimate] == [

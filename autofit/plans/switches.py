@@ -38,6 +38,7 @@ class Switch:
     change: Callable
     step: str
     tries: Callable
+    applies: str | None = None
     estimate: str | None = None
     fix: str | None = None
     sharded_only: bool = False  # FSDP2's: applies only to a model sharded with fully_shard
@@ -50,6 +51,10 @@ class Switch:
     def step_hook(self) -> Callable:
         """`step` resolved: hook(runner, plan), which sets the switch on a StepRunner."""
         return resolve(self.step)
+
+    def applies_hook(self) -> Callable | None:
+        """`applies` resolved: hook(plan, model, optimizer, device, checkpointing) -> why not, or None."""
+        return None if self.applies is None else resolve(self.applies)
 
     def estimate_hook(self) -> Callable | None:
         """`estimate` resolved: hook(estimator, plan) -> the value the estimate runs with."""
@@ -112,6 +117,7 @@ SWITCHES = (
            config=lambda v: (v,),
            change=lambda v: "activation checkpointing " + ("on" if v else "off"),
            step="autofit.engine.checkpointing:step_hook",
+           applies="autofit.plans.applies:checkpointing_applies",
            tries=_off_or_both,  # option: the model has blocks to checkpoint
            fix="checkpointing"),
     Switch("offload_optimizer", "optimizer state moves to CPU memory",
@@ -121,6 +127,7 @@ SWITCHES = (
            config=lambda v: (v,),
            change=lambda v: "optimizer state " + ("to CPU memory" if v else "back on the device"),
            step="autofit.engine.step:offload_hook",
+           applies="autofit.plans.applies:offload_applies",
            tries=_off_or_both,  # option: allow_offload
            estimate="autofit.estimator.sampled:offload_measured",
            fix="offload"),
@@ -132,6 +139,7 @@ SWITCHES = (
            config=lambda v: ("per-parameter step",) if v else (),
            change=lambda v: "per-parameter optimizer step " + ("on" if v else "off"),
            step="autofit.engine.step:per_parameter_hook",
+           applies="autofit.plans.applies:per_parameter_applies",
            # never priced: it only helps a step that ran out of memory, a move of the ladder's
            tries=lambda trial: (False,),
            fix="per-parameter-step"),
@@ -146,6 +154,7 @@ SWITCHES = (
            change=lambda v: None if v is None else
            "FSDP2 " + ("reshards after forward" if v else "keeps gathered parameters for backward"),
            step="autofit.distributed.fsdp:reshard_hook",
+           applies="autofit.plans.applies:fsdp_applies",
            tries=lambda trial: tuple(trial.option),  # option: the values the model may use, (None,) unsharded
            estimate="autofit.estimator.sharded:reshard_measured",
            sharded_only=True),
@@ -158,6 +167,7 @@ SWITCHES = (
            change=lambda v: "FSDP2 " + ("reduce-scatters each micro-batch" if v
                                         else "syncs gradients on the last micro-batch only"),
            step="autofit.distributed.fsdp:reduce_each_hook",
+           applies="autofit.plans.applies:fsdp_applies",
            # with one micro-batch both are the same step
            tries=lambda trial: (False, True) if trial.sharded and trial.micro_batch < trial.global_batch else (False,),
            estimate="autofit.estimator.sharded:reduce_each_measured",
