@@ -64,6 +64,7 @@ def test_a_switch_added_to_the_registry_is_used_everywhere(pinned):
     off, on = PinnedPlan(8, 2), PinnedPlan(8, 2, pinned_memory=True)
     assert on.describe() == "micro 8 x 2, fp32, pinned" and off.describe() == "micro 8 x 2, fp32"
     assert config_of(on) == ("fp32", False, False, "pinned") != config_of(off)
+    assert on.replace(precision="bf16").plain() == off  # nothing a step-down turns on
     assert plan_cost(on, 16) == pytest.approx(plan_cost(off, 16) * 1.25, rel=1e-15, abs=0)
     move = switch_on("pinned_memory")
     assert isinstance(move, SetField) and move.take(off) == (on, PINNED.why) and move(on) is None
@@ -119,6 +120,9 @@ def test_the_registered_switches_keep_their_words_keys_and_costs():
     assert config_of(every) == ("fp32", True, True, "per-parameter step", "kept gathered",
                                 "reduce-scatter per micro-batch")
     assert config_of(Plan(4)) == ("fp32", False, False)  # keys cached before the later switches
+    # FSDP2's settings say how the model is sharded: the plain plan keeps them
+    assert every.replace(precision="bf16").plain() == Plan(4, 2, reshard_after_forward=False,
+                                                           reduce_each_micro_batch=True)
     # two micro-batches of 4 rows cost as two of 8 (the busy floor): 2.0, then each switch on
     assert plan_cost(every, 8) == pytest.approx(2.0 * 4 / 3 * 3.0 * 1.0 * 1.08, rel=1e-12, abs=0)
     assert switch_on("reshard_after_forward")(Plan(4, reshard_after_forward=None)) is None  # the model's own

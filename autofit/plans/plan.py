@@ -80,6 +80,11 @@ class Plan:
         micro = min(micro_batch_size, global_batch)
         return self.replace(micro_batch_size=micro, accumulation_steps=math.ceil(global_batch / micro))
 
+    def plain(self) -> "Plan":
+        """This plan with nothing a step-down turns on: the exact precision and every switch off but
+        FSDP2's (they follow how the model was sharded: `sharded_only` in plans/switches.py)."""
+        return self.replace(precision=EXACT, **{s.name: False for s in switches.SWITCHES if not s.sharded_only})
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

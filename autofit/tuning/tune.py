@@ -289,9 +289,8 @@ def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock
 
 
 def _makes_a_move(plan) -> bool:
-    """Whether `plan` turns on something the plain fp32 plan does not (a precision, checkpointing,
-    offload, a per-parameter step)."""
-    return plan.precision != "fp32" or plan.checkpointing or plan.offload_optimizer or plan.per_parameter_step
+    """Whether `plan` turns on something the plain fp32 plan does not (a precision or a switch)."""
+    return plan != plan.plain()
 
 
 def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None:
