@@ -1,4 +1,7 @@
-"""The state every attempt of a global batch starts from, captured once and restored before a replay.
+"""The state an attempt starts from, captured once and restored before the next: `StartState`, the
+one capture of every retry autofit makes (its modes: a replay of one global batch, a Trainer's run
+restarted from its start, an estimate's sampled steps; whole copies are engine/whole_state.py's).
+What follows is the replay's (REPLAY, training's controller).
 
 A failed attempt has already drawn dropout masks, updated BatchNorm's running statistics, maybe
 advanced a counter in the optimizer's param_groups, and handed its micro-batches to a `loss_fn`
