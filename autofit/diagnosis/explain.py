@@ -13,6 +13,8 @@ plan that failed; a fix whose plan change cannot run for the job is named as not
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from autofit.diagnosis.fixes import fixes_for, withheld
 from autofit.plans import switches
 from autofit.plans.coupling import describe as describe_coupling
@@ -126,7 +128,13 @@ def explain_leaks(leaks) -> list[str]:
     return lines
 
 
-def explain(result_or_error) -> str:
+class Explained(Protocol):
+    """What explain reads: a RunResult, the DoesNotFit a run raised, an EvalResult."""
+
+    attempts: list
+
+
+def explain(result_or_error: Explained) -> str:
     """Plain text: each out-of-memory attempt, its memory by kind, the fixes, and the step-down."""
     attempts = getattr(result_or_error, "attempts", None)
     if attempts is None:

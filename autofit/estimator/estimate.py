@@ -63,6 +63,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autofit import torch_internals as ti
 from autofit.engine.batches import rows_of, slice_batch
+from autofit.engine.interfaces import Batch, LossFn, OptimizerArg
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
 from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
@@ -534,8 +535,8 @@ def _unique(tensors):
             yield t
 
 
-def estimate(model, batch, plan: Plan, optimizer=None, loss_fn=None, *,
-             device_type: str = "cuda") -> MemoryEstimate:
+def estimate(model: torch.nn.Module, batch: Batch, plan: Plan, optimizer: OptimizerArg = None,
+             loss_fn: LossFn | None = None, *, device_type: str = "cuda") -> MemoryEstimate:
     """Predict the peak device memory of a training step of `model` on `batch` under `plan`.
 
     `batch` is one global batch (on any device, `meta` included); `optimizer` is None (AdamW), an

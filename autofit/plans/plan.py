@@ -58,7 +58,7 @@ class Plan:
                             f"sharded) but got {self.reshard_after_forward!r}.")
 
     @classmethod
-    def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields) -> "Plan":
+    def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields: object) -> "Plan":
         """A plan whose micro-batches cover `global_batch` samples (micro-batch capped at it)."""
         _positive("global_batch", global_batch)
         if micro_batch_size is not None:
@@ -71,7 +71,7 @@ class Plan:
         """The largest global batch this plan covers."""
         return self.micro_batch_size * self.accumulation_steps
 
-    def replace(self, **fields) -> "Plan":
+    def replace(self, **fields: object) -> "Plan":
         return dataclasses.replace(self, **fields)
 
     def with_micro_batch(self, micro_batch_size: int, global_batch: int) -> "Plan":
