@@ -465,6 +465,7 @@ class Estimator:
         # on existing gradients measures the peak of them all.
         batch, accumulates = self._measured(plan) if after is None else (self.batch, False)
         params = list(self.model.parameters()) + list(self.model.buffers())
+        # Offload's own reading (not the registry's): the offloaded step keeps its state on the host.
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
                  for p in _unique(self.model.parameters()) if p.requires_grad]

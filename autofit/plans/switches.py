@@ -1,4 +1,5 @@
-"""The plan's switches, one entry each: what turning one on means everywhere autofit words or weighs it.
+"""The plan's switches, one entry each: what turning one on means everywhere autofit words, weighs,
+tries, applies or estimates it.
 
 A switch is a Plan field a step-down turns on (checkpointing, offload, a per-parameter optimizer
 step, FSDP2's two settings); precision has its own registry (plans/precision.py) and the
@@ -11,12 +12,25 @@ micro-batch is the ladder's split. Each entry says, in one place:
 - `config(value)`: its part of the size log's configuration key (plans/sizelog.py; kept as it was
   for each switch, so keys cached before stay the same);
 - `change(value)`: how explain words the switch turned to `value`, and `fix`: the key of the fix it
-  applies (diagnosis/fixes.py), when it is one.
-How a step applies a switch stays with what it switches (engine/checkpointing, engine/offload,
-engine/step for the per-parameter step, distributed/fsdp for FSDP2's), as does the estimator's
-reading of it: those are behaviours, not words.
+  applies (diagnosis/fixes.py), when it is one;
+- `tries(trial)`: the values the capacity check prices (estimator/cost.candidate_plans, through
+  `tried`), given the option it was handed for this switch (`Trial`); `per_micro_batch` when they
+  depend on the micro-batch.
+Its behaviours are named by "module:function" and imported on use (plans/ sits below the engine and
+the estimator, which import it; `resolve`):
+- `step`: hook(runner, plan), how a step sets it before every attempt (StepRunner.prepare calls each
+  switch's; engine/ for its own, distributed/fsdp for FSDP2's, on the runner's `sharded`);
+- `applies`: hook(plan, model, optimizer, device, checkpointing) -> why it cannot run here, or None
+  (plans/applies.not_applicable asks each, once per hook);
+- `estimate`: hook(estimator, plan) -> the value an estimate runs it with (Estimator.measured_plan);
+  None: the plan's own, which the estimator's step sets through `step`.
+What is left elsewhere reads a switch for what only it does, and says so where it does: the
+diagnosis's fixes (each one's own memory rule), the capacity check's most frugal plan (ordered by
+each one's saving), the fake-tensor estimate's optimizer state under offload, the Trainer's and
+the probe's own words.
 
-Adding a switch: a Plan field with its default, and one entry here.
+Adding a switch: a Plan field with its default, and one entry here (tests/test_switches.py adds one
+and follows it everywhere).
 """
 
 from __future__ import annotations
