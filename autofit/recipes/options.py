@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import math
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ class Options:
     budget: Size | None = None     # device bytes ("2GiB", an int) the job may use; None: the device's
     precision: str = "auto"        # "auto", "fp32", "bf16", "fp16"
     max_grad_norm: float | None = None  # clip the global batch's gradient to this norm
-    ladder: Move | None = None     # the moves to step down by (None: autofit's)
+    ladder: Move | Sequence | Callable | None = None  # the moves to step down by (None: autofit's; plans.ladder.as_move)
     cache: bool = True             # remember the plan that worked per job and device
     progress: bool = True          # a progress bar and step-down logging (rank 0)
     capacity_check: bool = True    # estimate plans before training and start from one that fits
