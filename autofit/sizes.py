@@ -13,7 +13,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value) -> int:
+def parse_size(value: int | float | str) -> int:
     """Bytes from a size: an int, or a string such as "2GiB", "512MiB", "1.5GiB", "2GB" (decimal).
 
     Bare "G"/"M"/"K" are binary, as in nvidia-smi and PyTorch's messages.

@@ -66,3 +66,58 @@ def test_the_check_finds_a_member_taken_away(monkeypatch):
     runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), CpuDevice())
     monkeypatch.delattr(StepRunner, "not_applicable")
     assert missing(interfaces.Runner, runner) == ["not_applicable"]
+
+
+def public_callables():
+    """(name, function) for every function autofit exports and every public method of its classes
+    (errors aside: they are exceptions, built with a message)."""
+    out = []
+    for name in autofit.__all__:
+        obj = getattr(autofit, name)
+        if inspect.isclass(obj):
+            if issubclass(obj, BaseException):
+                continue
+            for member, value in vars(obj).items():
+                if member != "__init__" and member.startswith("_"):
+                    continue
+                function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                if inspect.isfunction(function):
+                    out.append((f"{name}.{member}", function))
+        elif callable(obj):
+            out.append((name, obj))
+    return out
+
+
+def unannotated(name, function) -> list[str]:
+    signature = inspect.signature(function)
+    missing = [f"{name}({p})" for p in signature.parameters if p not in ("self", "cls")
+               and signature.parameters[p].annotation is inspect.Parameter.empty]
+    if signature.return_annotation is inspect.Signature.empty and not name.endswith("__init__"):
+        missing.append(f"{name} -> ?")
+    return missing
+
+
+def test_every_public_callable_of_autofit_is_fully_annotated():
+    found = public_callables()
+    assert {"run", "stepper", "evaluate", "estimate", "tune", "explain", "parse_size", "simulate_gpu",
+            "Plan.replace", "EvalSizer.__init__"} <= {name for name, _ in found}
+    assert [m for name, function in found for m in unannotated(name, function)] == []
+    import typing
+    for name, function in found:  # each annotation names something real
+        typing.get_type_hints(function)
+    hints = typing.get_type_hints(autofit.evaluate)
+    assert (hints["device"], hints["pace"]) == (interfaces.Device | None, interfaces.Pace | None)
+    assert inspect.signature(autofit.run).parameters["optimizer"].annotation == interfaces.OptimizerArg
+
+
+def test_the_annotation_check_finds_a_parameter_left_bare():
+    def step(batch, plan: int) -> None: ...
+    assert unannotated("step", step) == ["step(batch)"]
+    assert unannotated("bare", lambda x: x) == ["bare(x)", "bare -> ?"]
+
+
+def test_evaluation_paces_meet_their_protocol():
+    from autofit.distributed.eval_lockstep import ShardedEvaluation
+    from autofit.recipes.eval_pace import Alone
+    assert missing(interfaces.Pace, Alone()) == []
+    assert [n for n in members(interfaces.Pace) if not hasattr(ShardedEvaluation, n)] == []

@@ -152,3 +152,63 @@ class NeedsClosure(torch.optim.SGD):
                                            (torch.optim.SGD, False), (torch.optim.AdamW, False)])
 def test_needs_closure(cls, expected):
     assert needs_closure(cls([torch.zeros(1, requires_grad=True)], lr=0.1)) is expected
+
+
+def _train(model, opt, sched=None):
+    model(torch.randn(4, 3)).pow(2).mean().backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+
+
+def test_a_restart_loads_the_model_optimizer_and_scheduler_back_each_time():
+    from autofit.engine.replay import RESTART
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    _train(model, opt, sched)  # momentum buffers to keep
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    momenta = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    start = StartState(model, opt, CpuDevice(), mode=RESTART, scheduler=sched)
+    start.capture()
+    drawn = torch.rand(2)
+    for _ in range(2):  # the second restore sees the first's loaded state stepped in place
+        _train(model, opt, sched)
+        start.restore()
+        assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momenta))
+        assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.05
+        assert torch.equal(torch.rand(2), drawn)
+    kept = StartState(model, None, CpuDevice(), mode=RESTART, weights=False)  # the Trainer re-creates both
+    kept.capture()
+    _train(model, opt)
+    moved = [p.clone() for p in model.parameters()]
+    kept.restore()
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), moved))
+
+
+def test_a_trial_puts_every_tensor_gradient_mode_state_and_group_back():
+    from autofit.engine.replay import TRIAL
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt)
+    model.eval()
+    grads = [p.grad for p in model.parameters()]
+    values = [t.clone() for t in list(model.parameters()) + list(model.buffers())]
+    state = {p: (s, {k: v.clone() for k, v in s.items()}) for p, s in opt.state.items()}
+    with StartState(model, opt, None, mode=TRIAL).held():
+        drawn = torch.rand(2)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        _train(model, opt)
+        opt.param_groups[0]["extra"] = True
+        opt.param_groups[0]["lr"] = 1.0
+    assert all(torch.equal(t, v) for t, v in zip(list(model.parameters()) + list(model.buffers()), values))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert not any(m.training for m in model.modules())
+    assert all(opt.state[p] is s and all(torch.equal(s[k], v) for k, v in held.items())
+               for p, (s, held) in state.items())
+    assert opt.param_groups[0]["lr"] == 0.1 and "extra" not in opt.param_groups[0]
+    assert torch.equal(torch.rand(2), drawn)
+    with pytest.raises(ValueError, match=r"mode must be one of 'replay', 'restart', 'trial' but got 'again'"):
+        StartState(model, opt, None, mode="again")

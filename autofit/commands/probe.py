@@ -156,6 +156,7 @@ def _probe_report(args, result: dict, shown) -> int:
                  r["precision"], r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
                  format_size(r["peak_bytes"]), format_size(r["reserved_bytes"]), r["fits"]]
                 for r in result["table"]]
+        # The plan's fields this table shows, named as its columns are (not the registry's words).
         out(table(["", "micro", "accum", "precision", "checkpointing", "offload", "time",
                    "allocated peak", "reserved peak", "fits"], rows, align="lrrlllrrrl"))
     out()

@@ -13,6 +13,8 @@ plan that failed; a fix whose plan change cannot run for the job is named as not
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from autofit.diagnosis.fixes import fixes_for, withheld
 from autofit.plans import switches
 from autofit.plans.coupling import describe as describe_coupling
@@ -23,10 +25,9 @@ from autofit.sizes import format_size
 
 # -- what autofit did ---------------------------------------------------------------------------
 
-_APPLIED = {"accumulation", "amp", "checkpointing", "offload", "per-parameter-step"}
-
-
 def _changes(old, new) -> tuple[list[str], set]:
+    """The words of what changed from `old` to `new`, and the keys of the fixes (diagnosis/fixes.py)
+    the change applied: accumulation, AMP, and each switch's `fix` (plans/switches.py)."""
     words, keys = [], set()
     if new.micro_batch_size < old.micro_batch_size:
         words.append(f"micro-batch {old.micro_batch_size} -> {new.micro_batch_size} with "
@@ -70,7 +71,7 @@ def _explain_attempt(attempts, i, number: int, budget, raised: bool, given: set)
         if fixes:
             lines.append("  fixes that apply:")
             for fix in fixes:
-                mark = " [autofit did this next]" if fix.key in applied & _APPLIED else ""
+                mark = " [autofit did this next]" if fix.key in applied else ""  # keys of _changes
                 text = f"{fix.title} (as above)" if fix.key in given else fix.text
                 given.add(fix.key)
                 lines.append(f"  - {text}{mark}")
@@ -126,7 +127,13 @@ def explain_leaks(leaks) -> list[str]:
     return lines
 
 
-def explain(result_or_error) -> str:
+class Explained(Protocol):
+    """What explain reads: a RunResult, the DoesNotFit a run raised, an EvalResult."""
+
+    attempts: list
+
+
+def explain(result_or_error: Explained) -> str:
     """Plain text: each out-of-memory attempt, its memory by kind, the fixes, and the step-down."""
     attempts = getattr(result_or_error, "attempts", None)
     if attempts is None:

@@ -137,6 +137,7 @@ def _fixes(memory: dict, plan, budget, where: str) -> list[Fix]:
             f"bf16 autocast (fp16 with a GradScaler where bf16 is "
             f"unsupported) keeps activations in 16 bits, roughly halving the "
             f"{format_size(activations)} of activations.")))
+    # Each fix below is its own memory rule, so the switches are read by name (not from the registry).
     if big_activations and not plan.checkpointing:
         out.append(Fix("checkpointing", "activation checkpointing", (
             f"model.gradient_checkpointing_enable() on Hugging Face models keeps only each layer's "

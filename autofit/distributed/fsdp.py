@@ -202,8 +202,15 @@ class Sharded:
         """The plan's FSDP settings on the live model, before an attempt (every unit is sharded
         and idle then: between steps, or after `abandon`). The root keeps its own setting (FSDP2
         keeps the root gathered after forward: backward starts with it)."""
-        self.reduce_each = plan.reduce_each_micro_batch
-        wanted = plan.reshard_after_forward
+        self.set_reduce_each(plan.reduce_each_micro_batch)
+        self.set_reshard(plan.reshard_after_forward)
+
+    def set_reduce_each(self, on: bool) -> None:
+        """A reduce-scatter after every micro-batch (on), or after a global batch's last only."""
+        self.reduce_each = on
+
+    def set_reshard(self, wanted: bool | None) -> None:
+        """Every unit but the root resharded after forward or not (None: as the model was sharded)."""
         self._restore_reshard()
         if wanted is not None and wanted != self.own_reshard:
             for unit in self.units:
@@ -238,6 +245,19 @@ class Sharded:
         _USER.pop(self.model, None)
         for g, saved in self._saved:
             internals.set_reduction(g, saved)
+
+
+def reshard_hook(runner, plan) -> None:
+    """reshard_after_forward's switch (plans/switches.py), set on `runner`'s sharded model (a
+    StepRunner's `sharded`; nothing to set when the model is not sharded)."""
+    if runner.sharded is not None:
+        runner.sharded.set_reshard(plan.reshard_after_forward)
+
+
+def reduce_each_hook(runner, plan) -> None:
+    """reduce_each_micro_batch's switch (plans/switches.py), as `reshard_hook`."""
+    if runner.sharded is not None:
+        runner.sharded.set_reduce_each(plan.reduce_each_micro_batch)
 
 
 class _Null:

@@ -28,10 +28,11 @@ class DistributedStepRunner(StepRunner):
         # every micro-batch's forward and backward, so there none may be skipped.
         self.skip_empty = lockstep.sharded is None
 
-    def prepare(self, plan) -> None:
-        super().prepare(plan)
-        if self.lockstep.sharded is not None:  # the plan's FSDP settings, on every rank alike
-            self.lockstep.sharded.prepare(plan)
+    @property
+    def sharded(self):
+        """The lockstep's FSDP2 switches (made when the ranks first agree), which the plan's FSDP
+        settings are set on by their hooks (plans/switches.py), on every rank alike."""
+        return self.lockstep.sharded
 
     def abandon(self) -> None:
         super().abandon()

@@ -155,3 +155,8 @@ class Checkpointing:
 
     def restore(self) -> None:
         self.set(self.initial)
+
+
+def step_hook(runner, plan) -> None:
+    """Checkpointing's switch (plans/switches.py): on or off for `runner`'s (a StepRunner's) model."""
+    runner.checkpointing.set(plan.checkpointing)

@@ -3,18 +3,29 @@
 The controller drives a `Runner` (engine.step.StepRunner; distributed.runner's for several ranks)
 on a `Device` (gpu.device: CPU, simulated GPU, CUDA), a job keeps step with other ranks through a
 `Lockstep` (distributed.local.Local alone, distributed.lockstep.Lockstep under torch.distributed),
-and the upward search asks a `Guide` (estimator.guide.Guide, or controller.Unguided). Each
+the upward search asks a `Guide` (estimator.guide.Guide, or controller.Unguided), and evaluation
+keeps its `Pace` (recipes/eval_pace.Alone, distributed/eval_lockstep's). Each
 implementation has every member of its protocol (tests/test_interfaces.py), so no caller probes
 for one with getattr.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Callable, Protocol, Union
 
 import torch
 
 from autofit.plans.plan import Plan
+
+# What the public functions take, named once for their signatures.
+Batch = Union[torch.Tensor, Sequence, Mapping]  # a tensor, a tuple/list or a dict of them (BatchEncoding)
+Data = Union[Iterable, torch.utils.data.Dataset]  # a DataLoader, a list of batches, a map-style Dataset
+LossFn = Callable[..., object]  # (model, batch) -> scalar loss, or (loss, kept) (engine/kept.py)
+MetricFn = Callable[..., Mapping]  # (output, batch) -> {name: value} (recipes/evaluate.py)
+OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]  # or a factory
+SchedulerArg = Union[torch.optim.lr_scheduler.LRScheduler, Callable[..., object], None]  # or a factory
+Size = Union[int, float, str]  # bytes, or "2GiB" (autofit.sizes.parse_size)
 
 
 class Device(Protocol):
@@ -99,4 +110,17 @@ class Lockstep(Protocol):
     def eval_share(self, data): ...
     def combine_eval(self, result): ...
     def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Pace(Protocol):
+    """How evaluation keeps step with other ranks (recipes/eval_pace.Alone alone,
+    distributed/eval_lockstep.ShardedEvaluation for a sharded model)."""
+
+    grad_mode: Callable  # the autograd mode forwards run in
+
+    def size(self, want: int | None, failure: BaseException | None = None) -> int | None: ...
+    def forward(self): ...
+    def after(self, failure: BaseException | None) -> None: ...
+    def abandon(self) -> None: ...
     def close(self) -> None: ...

@@ -1,4 +1,7 @@
-"""The state every attempt of a global batch starts from, captured once and restored before a replay.
+"""The state an attempt starts from, captured once and restored before the next: `StartState`, the
+one capture of every retry autofit makes (its modes: a replay of one global batch, a Trainer's run
+restarted from its start, an estimate's sampled steps; whole copies are engine/whole_state.py's).
+What follows is the replay's (REPLAY, training's controller).
 
 A failed attempt has already drawn dropout masks, updated BatchNorm's running statistics, maybe
 advanced a counter in the optimizer's param_groups, and handed its micro-batches to a `loss_fn`
@@ -20,6 +23,7 @@ loop. `StartState` keeps what a replay needs, in host memory:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import sys
@@ -28,6 +32,7 @@ import torch
 
 from autofit import torch_internals as ti
 from autofit.engine.model_state import Generators, Gradients, Untrained
+from autofit.engine.whole_state import OptimizerState, StateDicts, Tensors
 from autofit.gpu.device import _map_tensors
 
 
@@ -117,28 +122,72 @@ class _Buffers:
                     self.saved[key] = (module, name, buf, host, ti.version(buf))
 
 
-class StartState:
-    """What every attempt of one global batch starts from; `capture` before the first attempt,
-    `begin` at the start of each attempt (it restores before a replay) gives the batch to train."""
+REPLAY, RESTART, TRIAL = "replay", "restart", "trial"  # StartState's modes
 
-    def __init__(self, model, optimizer, device):
+
+class _Rng:
+    def capture(self) -> None:
+        self.state = rng_state()
+
+    def restore(self) -> None:
+        set_rng_state(self.state)
+
+
+class _Groups:
+    def __init__(self, optimizer, device):
+        self.optimizer, self.device = optimizer, device
+
+    def capture(self) -> None:
+        with _host_of(self.device):
+            self.saved = save_groups(self.optimizer)
+
+    def restore(self) -> None:
+        restore_groups(self.optimizer, self.saved)
+
+
+def _host_of(device):
+    return device.host() if device is not None else contextlib.nullcontext()
+
+
+class StartState:
+    """The state an attempt starts from: `capture` before the first attempt, `restore` before
+    another. One capture for every kind of attempt autofit retries; `mode` says which:
+    - REPLAY (training's controller, one global batch): the module's list above; `begin` at the
+      start of each attempt (it restores before a replay) gives the batch to train;
+    - RESTART (a Hugging Face Trainer's run restarted from its start, hf_recovery): host copies of
+      the `state_dict()`s of the model (unless `weights=False`: the Trainer re-creates it), the
+      optimizer (None: the Trainer makes its own) and `scheduler`, and the random generators;
+    - TRIAL (an estimate's sampled steps, estimator/sampled.py; `held()` around them): every tensor,
+      gradient and mode of the model, the optimizer's state and groups, and the random generators.
+    `device`: where host copies are made (its `host()`; None: no device, as for TRIAL)."""
+
+    def __init__(self, model, optimizer, device, *, mode: str = REPLAY, scheduler=None, weights: bool = True):
+        if mode not in (REPLAY, RESTART, TRIAL):
+            raise ValueError(f"mode must be one of {REPLAY!r}, {RESTART!r}, {TRIAL!r} but got {mode!r}.")
+        self.model, self.optimizer, self.device, self.mode = model, optimizer, device, mode
+        if mode == RESTART:
+            kept = [o for o in (model if weights else None, optimizer, scheduler) if o is not None]
+            self.parts = [StateDicts(kept, [o for o in (optimizer, scheduler) if o is not None], device), _Rng()]
+            return
+        if mode == TRIAL:
+            self.parts = [Tensors(model), OptimizerState(optimizer), _Groups(optimizer, device), _Rng()]
+            return
         ti.require(ti.REPLAY)
-        self.model, self.optimizer, self.device = model, optimizer, device
         self.buffers = _Buffers(model, device)
         self.untrained = Untrained(model, optimizer, device)
         self.generators = Generators(model)
         self.gradients = Gradients(model, device)
+        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, _Groups(optimizer, device),
+                      self.gradients]
         self.attempts = 0
 
-    def capture(self, batch) -> None:
+    def capture(self, batch=None) -> None:
+        """Take the state now; REPLAY takes the global batch to replay too."""
+        for part in self.parts:
+            part.capture()
+        if self.mode != REPLAY:
+            return
         self.attempts = 0
-        self.rng = rng_state()
-        self.buffers.capture()
-        self.untrained.capture()
-        self.generators.capture()
-        self.gradients.capture()
-        with self.device.host():
-            self.groups = save_groups(self.optimizer)
         self.given = batch
         # Tensors the device hands to the loss as they are (no host-to-device copy) could be
         # written by the loss; keep their contents. The others reach the loss as copies.
@@ -146,6 +195,15 @@ class StartState:
         with torch.no_grad(), self.device.host():
             self.kept = {id(t): t.detach().to("cpu", copy=True)
                          for t, _ in self.versions if self.device.shares(t)}
+
+    @contextlib.contextmanager
+    def held(self):
+        """Captured on entering, restored on leaving (also on error): inside, anything may train."""
+        self.capture()
+        try:
+            yield self
+        finally:
+            self.restore()
 
     def release(self) -> None:
         """Drop the batch and its copies once its step is over (the buffer copies stay)."""
@@ -169,12 +227,10 @@ class StartState:
         return fresh(self.given)
 
     def restore(self) -> None:
-        set_rng_state(self.rng)
-        self.buffers.restore()
-        self.untrained.restore()
-        self.generators.restore()
-        restore_groups(self.optimizer, self.groups)
-        self.gradients.restore()
+        for part in self.parts:
+            part.restore()
+        if self.mode != REPLAY:
+            return
         for i, (t, version) in enumerate(self.versions):
             if ti.version(t) == version:
                 continue

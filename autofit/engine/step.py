@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.plans.applies import not_applicable
 from autofit.engine.atomic import AtomicStep
 from autofit.engine.batches import split, weights
@@ -65,12 +66,24 @@ def compute_loss(model, batch, loss_fn=None, items=None, keep=None) -> torch.Ten
     return loss
 
 
+def per_parameter_hook(runner: StepRunner, plan: Plan) -> None:
+    """The per-parameter step's switch (plans/switches.py): the groups' `foreach` off. An offloaded
+    step runs on the host, where it changes nothing: it is on only without offload."""
+    runner._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
+
+
+def offload_hook(runner: StepRunner, plan: Plan) -> None:
+    """Optimizer offload's switch (plans/switches.py)."""
+    runner.set_offload(plan.offload_optimizer)
+
+
 class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
     phase_steers_ladder = True  # the phase of a failure picks the first moves (see ladder.ByPhase)
     distributed = False  # one process: a move's error may be withdrawn, outside leaves are walked
     skip_empty = False  # skip a micro-batch whose share is 0 (no label token: its loss is 0/0)
+    sharded = None  # distributed/fsdp.Sharded: a sharded model's FSDP2 switches, set by their hooks
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Device, *,
                  scheduler=None, loss_fn: Callable | None = None, count_tokens: Callable | None = None,
@@ -103,18 +116,23 @@ class StepRunner:
 
     # -- plan switches -------------------------------------------------------------------------
     def prepare(self, plan) -> None:
-        self.checkpointing.set(plan.checkpointing)
-        if plan.offload_optimizer and self.offloaded is None:
+        """Every switch of `plan` set on the model and optimizer, each by its own hook
+        (plans/switches.py `step`), and a grad scaler made for a precision that needs one."""
+        for switch in switches.SWITCHES:
+            switch.step_hook()(self, plan)
+        if precisions.get(plan.precision).needs_scaler and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def set_offload(self, on: bool) -> None:
+        """Optimizer state offloaded for the coming steps, or back on the device."""
+        if on and self.offloaded is None:
             self.offloaded = Offload(self.optimizer, self.device)
-        elif not plan.offload_optimizer and (self.offloaded is not None or not self._placed):
+        elif not on and (self.offloaded is not None or not self._placed):
             if self.offloaded is not None:
                 self.offloaded.close()
                 self.offloaded = None
             to_device(self.optimizer, self.device)  # state left on the host by an earlier offload
         self._placed = True
-        if precisions.get(plan.precision).needs_scaler and self.scaler is None:
-            self.scaler = torch.amp.GradScaler(self.device.type)
-        self._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
 
     def _per_parameter(self, on: bool) -> None:
         groups = self.optimizer.param_groups

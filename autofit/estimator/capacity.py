@@ -137,8 +137,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
             try:
                 est = estimator.measure(plan)
             except Exception as error:
-                plain = plan.replace(precision="fp32", checkpointing=False, offload_optimizer=False,
-                                     per_parameter_step=False)
+                plain = plan.plain()
                 if plain == plan:
                     raise  # the plain plan's own error is the job's (the check falls back)
                 measure(plain)  # raises when the plain plan fails too: then it is the job's error
@@ -224,6 +223,7 @@ def _floor(resident: dict, measured, offloaded: bool) -> int:
 def _most_frugal(plans: list[Plan]) -> Plan:
     """The plan most likely to use the least memory: smallest micro-batch, checkpointing, offload,
     mixed precision; under FSDP2 resharding after forward and a reduce-scatter per micro-batch."""
+    # Named switch by switch, not read from the registry: the order is each one's saving in memory.
     return min(plans, key=lambda p: (p.micro_batch_size, not p.offload_optimizer, not p.checkpointing,
                                      not get_precision(p.precision).mixed,
                                      p.reshard_after_forward is False, not p.reduce_each_micro_batch))

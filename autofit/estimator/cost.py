@@ -102,19 +102,16 @@ def candidate_plans(global_batch: int, precision: str = precisions.AUTO, *, bf16
     (None,): not sharded. `tokens_per_row`: as `plan_cost`'s.
     """
     allowed = precisions.allowed(precision, bf16_supported)
-    sharded = reshard != (None,)
-    plans = [Plan.for_batch(global_batch, m, precision=p, checkpointing=c, offload_optimizer=o,
-                            reshard_after_forward=r, reduce_each_micro_batch=e)
+    # Each switch's values come from its entry (plans/switches.py `tries`), given its option here.
+    options = {"checkpointing": checkpointing, "offload_optimizer": allow_offload, "reshard_after_forward": reshard}
+    plans = [Plan.for_batch(global_batch, m, precision=p, **fields)
              for p in allowed
-             for c in ((False, True) if checkpointing else (False,))
-             for o in ((False, True) if allow_offload else (False,))
-             for r in reshard
-             for m in micro_batch_sizes(global_batch)
-             for e in ((False, True) if sharded and m < global_batch else (False,))]
+             for m, fields in switches.tried(options, global_batch, reshard != (None,),
+                                             micro_batch_sizes(global_batch))]
     order = {p: i for i, p in enumerate(precisions.names())}
-    return sorted(plans, key=lambda p: (plan_cost(p, global_batch, tokens_per_row), order[p.precision], p.checkpointing,
-                                        p.offload_optimizer, bool(p.reshard_after_forward),
-                                        p.reduce_each_micro_batch, -p.micro_batch_size))
+    return sorted(plans, key=lambda p: (plan_cost(p, global_batch, tokens_per_row), order[p.precision],
+                                        *(bool(getattr(p, s.name)) for s in switches.SWITCHES),
+                                        -p.micro_batch_size))
 
 
 def _check_positive(name: str, value) -> None:

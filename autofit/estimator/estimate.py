@@ -63,6 +63,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autofit import torch_internals as ti
 from autofit.engine.batches import rows_of, slice_batch
+from autofit.engine.interfaces import Batch, LossFn, OptimizerArg
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
 from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
@@ -79,6 +80,7 @@ from autofit.estimator.fakes import (
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
 from autofit.engine.step import StepRunner
@@ -263,6 +265,8 @@ class Estimator:
     """Fake copies of a model, its optimizer (with state) and a batch, made once; `measure(plan)`
     runs one step per plan. `estimate()` is one plan; `autofit.estimator.capacity.rank` measures many."""
 
+    sharding = None  # estimator/sharded.Sharding: how a sharded estimate's copy is sharded
+
     def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
                  derive_repeated: bool = True):
         if not isinstance(model, torch.nn.Module):
@@ -352,6 +356,12 @@ class Estimator:
         return {"params": storage_bytes(params),
                 "grads": sum(round_bytes(p.numel() * p.element_size()) for p in _unique(trainable)),
                 "optimizer": storage_bytes(self._state())}
+
+    def measured_plan(self, plan: Plan) -> Plan:
+        """`plan` as this estimate runs it: each switch with an `estimate` hook (plans/switches.py)
+        set to the value the hook gives; the others are the plan's, applied by the step's hooks."""
+        return plan.replace(**{s.name: hook(self, plan) for s in switches.SWITCHES
+                               if (hook := s.estimate_hook()) is not None})
 
     def measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
         """The estimate of `plan`'s step. With `after` (the plan of the step before it), that step
@@ -455,6 +465,7 @@ class Estimator:
         # on existing gradients measures the peak of them all.
         batch, accumulates = self._measured(plan) if after is None else (self.batch, False)
         params = list(self.model.parameters()) + list(self.model.buffers())
+        # Offload's own reading (not the registry's): the offloaded step keeps its state on the host.
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
                  for p in _unique(self.model.parameters()) if p.requires_grad]
@@ -525,8 +536,8 @@ def _unique(tensors):
             yield t
 
 
-def estimate(model, batch, plan: Plan, optimizer=None, loss_fn=None, *,
-             device_type: str = "cuda") -> MemoryEstimate:
+def estimate(model: torch.nn.Module, batch: Batch, plan: Plan, optimizer: OptimizerArg = None,
+             loss_fn: LossFn | None = None, *, device_type: str = "cuda") -> MemoryEstimate:
     """Predict the peak device memory of a training step of `model` on `batch` under `plan`.
 
     `batch` is one global batch (on any device, `meta` included); `optimizer` is None (AdamW), an

@@ -16,12 +16,11 @@ has no values to run, and cannot be sampled.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 
 from autofit.engine.batches import slice_batch
-from autofit.engine.replay import rng_state, set_rng_state
+from autofit.engine.replay import TRIAL, StartState
 from autofit.gpu.device import _map_tensors
 from autofit.estimator.estimate import Estimator, MemoryEstimate, _FakeDevice
 from autofit.estimator.fakes import warm
@@ -63,7 +62,7 @@ class SampledEstimator(Estimator):
                 raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}; it "
                                 f"must return a torch.optim.Optimizer.")
         self.optimizer_name = type(self.optimizer).__name__
-        with self._quiet(), restored(model, self.optimizer):
+        with self._quiet(), StartState(model, self.optimizer, None, mode=TRIAL).held():
             warm(self.optimizer)  # the state a second step holds
             self.resident = self._resident()
 
@@ -73,10 +72,10 @@ class SampledEstimator(Estimator):
     def measure(self, plan: Plan) -> MemoryEstimate:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
-        on_device = plan.replace(offload_optimizer=False)
+        on_device = self.measured_plan(plan)  # offload's samples run on the device (offload_measured)
         accumulation = 2 if self.full_rows > plan.micro_batch_size else 1
         points, first_error = [], None
-        with self._quiet(), restored(self.model, self.optimizer):
+        with self._quiet(), StartState(self.model, self.optimizer, None, mode=TRIAL).held():
             self.model.train()  # a training step, whatever mode the caller left the model in
             warm(self.optimizer)
             for rows in SAMPLE_ROWS:
@@ -102,6 +101,13 @@ class SampledEstimator(Estimator):
                 f"the batch has {self.full_rows} row(s); a real sample needs at least one.")
         self.estimates += 1
         return _extrapolate(points, plan)
+
+
+def offload_measured(estimator, plan: Plan) -> bool:
+    """Optimizer offload in an estimate (plans/switches.py `estimate`): a sampled estimate runs its
+    samples with the state on the device and `_extrapolate` takes the state off the peak; the
+    fake-tensor estimate runs the offloaded step itself."""
+    return plan.offload_optimizer and not isinstance(estimator, SampledEstimator)
 
 
 def _extrapolate(points: list, plan: Plan) -> MemoryEstimate:
@@ -150,39 +156,3 @@ class _SampleDevice(_FakeDevice):
     def to_device(self, batch):
         with self.gpu.as_kind("other"):
             return _map_tensors(batch, lambda t: t.to(self.target, copy=True))
-
-
-@contextlib.contextmanager
-def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """Inside, anything may train the model; after, its tensors, gradients, modes, the optimizer's
-    state and groups and torch's RNG are as before (values copied back into the same objects)."""
-    tensors = list({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
-    values = [t.detach().to("cpu", copy=True) for t in tensors]
-    grads = [(p, p.grad) for p in model.parameters()]
-    modes = [(m, m.training) for m in model.modules()]
-    state = {p: (s, dict(s)) for p, s in optimizer.state.items()}  # each dict, and what it held
-    state_values = {p: {k: v.detach().to("cpu", copy=True) for k, v in held.items()
-                        if isinstance(v, torch.Tensor)} for p, (_, held) in state.items()}
-    groups = [(g, {k: copy.copy(v) for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-    rng = rng_state()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, v in zip(tensors, values):
-                t.copy_(v)
-            for p in [p for p in optimizer.state if p not in state]:
-                del optimizer.state[p]
-            for p, (s, held) in state.items():
-                s.clear()
-                s.update(held)
-                for k, v in state_values[p].items():
-                    s[k].copy_(v)
-                optimizer.state[p] = s
-        for p, g in grads:
-            p.grad = g
-        for m, training in modes:
-            m.training = training
-        for g, options in groups:
-            g.update(options)
-        set_rng_state(rng)

@@ -329,7 +329,7 @@ class ShardedEstimator(Estimator):
                 "optimizer": storage_bytes(self._state())}
 
     def _reduce_each(self, plan: Plan) -> bool:
-        return plan.reduce_each_micro_batch or self.sharding.reduce_each_micro_batch
+        return reduce_each_measured(self, plan)
 
     def _measured(self, plan: Plan):
         if self.rows <= plan.micro_batch_size or self._reduce_each(plan):
@@ -349,14 +349,26 @@ class ShardedEstimator(Estimator):
         if plan.offload_optimizer:
             raise ValueError("offload_optimizer is not a plan for a sharded model: FSDP2 offloads "
                              "with CPUOffloadPolicy; use a plan with offload_optimizer=False.")
-        # The plan's FSDP settings (Plan fields override the Sharding's), applied to this copy as
-        # a run applies them to the live model (distributed/fsdp.Sharded.prepare).
-        raf = self.sharding.reshard_after_forward if plan.reshard_after_forward is None \
-            else plan.reshard_after_forward
-        self.switches.prepare(plan.replace(reshard_after_forward=raf,
-                                           reduce_each_micro_batch=self._reduce_each(plan)))
+        # The plan's FSDP settings (Plan fields override the Sharding's: the switches' `estimate`
+        # hooks), applied to this copy as a run applies them to the live model (distributed/fsdp).
+        self.switches.prepare(self.measured_plan(plan))
         with _entered(self.world):
             return super().measure(plan)
+
+
+def reshard_measured(estimator, plan: Plan):
+    """reshard_after_forward in an estimate (plans/switches.py `estimate`): the plan's, else (None)
+    the Sharding's a sharded estimate's copy was sharded with."""
+    if estimator.sharding is None or plan.reshard_after_forward is not None:
+        return plan.reshard_after_forward
+    return estimator.sharding.reshard_after_forward
+
+
+def reduce_each_measured(estimator, plan: Plan) -> bool:
+    """reduce_each_micro_batch in an estimate (plans/switches.py `estimate`): on when the plan or
+    the Sharding says so."""
+    sharding = estimator.sharding
+    return plan.reduce_each_micro_batch or (sharding is not None and sharding.reduce_each_micro_batch)
 
 
 def estimate_sharded(model, world_size: int, plan: Plan, batch, *, reshard_after_forward=None,

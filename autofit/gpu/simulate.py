@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 import weakref
 
 import torch
@@ -391,7 +392,8 @@ def _may_allocate(func):
 
 
 @contextlib.contextmanager
-def simulate_gpu(budget=None, *, caps: str = "allocated", expandable_segments: bool = False):
+def simulate_gpu(budget: int | float | str | None = None, *, caps: str = "allocated",
+                 expandable_segments: bool = False) -> Iterator[SimulatedGPU]:
     """CPU tensors made inside count against `budget` bytes ("2GiB", an int, or None: no limit).
 
     `caps="allocated"` limits live tensor bytes; `caps="reserved"` limits what the modelled caching

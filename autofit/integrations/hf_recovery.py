@@ -9,14 +9,13 @@ retries are `hf_eval`'s)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 
 import torch
 
 from autofit.engine.attempt import MAX_ATTEMPTS_PER_BATCH, Attempt, Attempter, next_down, until_fits
-from autofit.engine.replay import rng_state, set_rng_state
+from autofit.engine.replay import RESTART, StartState
 from autofit.errors import DoesNotFit
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom
@@ -31,41 +30,18 @@ log = logging.getLogger("autofit")
 
 # -- the state an attempt starts from -----------------------------------------------------------
 
-class Start:
-    """What a run restarted from the start needs: the model's weights (a host copy, unless the
-    Trainer re-creates the model with `model_init`), a user optimizer's and scheduler's state, and
-    the random number generators, taken before the first attempt."""
-
-    def __init__(self, trainer, device):
-        self.trainer = trainer
-        opt, sched = trainer.optimizer, trainer.lr_scheduler
-        self.owns_optimizer = opt is None  # else the user's: kept, its state replaced on a retry
-        with device.host():
-            self.weights = None if trainer.model_init is not None else _host(trainer.model.state_dict())
-            self.optimizer = None if opt is None else _host(raw_optimizer(opt).state_dict())
-            self.scheduler = None if sched is None or self.owns_optimizer else _host(sched.state_dict())
-        self.rng = rng_state()
-
-    def restore(self) -> None:
-        trainer = self.trainer
-        if self.weights is not None:
-            trainer.model.load_state_dict(self.weights)  # copies in place: no new device memory
-        if self.optimizer is not None:
-            raw_optimizer(trainer.optimizer).load_state_dict(_host(self.optimizer))
-        if self.scheduler is not None:
-            trainer.lr_scheduler.load_state_dict(_host(self.scheduler))
-        set_rng_state(self.rng)
-
-
-def _host(obj):
-    """A deep copy with every tensor copied to host memory (load_state_dict puts them back)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _host(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host(v) for v in obj)
-    return copy.deepcopy(obj)
+def start_state(trainer, device) -> StartState:
+    """What a run restarted from the start needs (replay.StartState, RESTART), taken now, before
+    the first attempt: the model's weights (a host copy, unless the Trainer re-creates the model
+    with `model_init`), a user optimizer's and scheduler's state (none when the Trainer makes its
+    own optimizer), and the random number generators."""
+    opt, sched = trainer.optimizer, trainer.lr_scheduler
+    optimizer = None if opt is None else raw_optimizer(opt)  # else the user's: kept, its state replaced on a retry
+    start = StartState(trainer.model, optimizer, device, mode=RESTART,
+                       scheduler=None if sched is None or opt is None else sched,
+                       weights=trainer.model_init is None)
+    start.capture()
+    return start
 
 
 def free_attempt(trainer, owns_optimizer: bool) -> None:
@@ -183,7 +159,7 @@ class TrainAttempts:
         self.start, self.saves, self.origin, self.train_kwargs = start, saves, origin, train_kwargs
         self.plan, self.reason, self.checkpoint = fitted.plan, fitted.reason, origin
         self.rows = hf.rows_per_step(trainer.args)  # the true global batch of the ladder's moves
-        self.owns_optimizer = start.owns_optimizer if start is not None else trainer.optimizer is None
+        self.owns_optimizer = start.optimizer is None if start is not None else trainer.optimizer is None
         self.resumable = resumable_checkpoints(trainer.args)
         self.attempts: list = []
         self.records = snapshot(trainer)  # what a restart puts back (hf_records)

@@ -231,7 +231,7 @@ def train(trainer, budget=None, precision: str = "auto", **train_kwargs) -> Trai
         fitted = _fit(trainer, device, precision)
         rows, policy = hf.rows_per_step(trainer.args), _policy(trainer.args, precision)
         ladder = _ladder(trainer, rows, policy, device.supports_bf16())
-        start = recovery.Start(trainer, device) if origin is None else None
+        start = recovery.start_state(trainer, device) if origin is None else None
         saves = recovery.tracker(device, trainer)
         trainer.add_callback(saves)
         eval_attempts: list = []

@@ -25,26 +25,54 @@ from autofit.plans import precision as precisions
 
 
 def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing | None = None) -> str | None:
-    """Why `plan` cannot run for this model, optimizer and device, or None when it can."""
+    """Why `plan` cannot run for this model, optimizer and device, or None when it can: its
+    precision, then each switch by its `applies` hook (plans/switches.py), in the registry's order
+    (a hook two switches share, FSDP2's, is asked once)."""
+    if not precisions.get(plan.precision).supported_on(device):
+        return f"{plan.precision} is not supported on {device.describe()}"
+    asked = set()
+    for switch in switches.SWITCHES:
+        if switch.applies is None or switch.applies in asked:
+            continue
+        asked.add(switch.applies)
+        problem = switch.applies_hook()(plan, model, optimizer, device, checkpointing)
+        if problem:
+            return problem
+    return None
+
+
+def checkpointing_applies(plan, model, optimizer, device, checkpointing: Checkpointing | None) -> str | None:
+    """Checkpointing's `applies` (plans/switches.py): the model has blocks or a Hugging Face switch."""
     if plan.checkpointing:
         checkpointing = checkpointing or Checkpointing(model)
         if not checkpointing.available and not checkpointing.initial:
             return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
                     f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
-    if not precisions.get(plan.precision).supported_on(device):
-        return f"{plan.precision} is not supported on {device.describe()}"
+    return None
+
+
+def offload_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """Optimizer offload's `applies` (plans/switches.py): see engine/offload.offload_problem."""
     if plan.offload_optimizer:
         problem = offload_problem(optimizer)
         if problem:
             return f"optimizer offload does not apply: {problem}"
-    problem = fsdp_problem(plan, model)
-    if problem:
-        return problem
+    return None
+
+
+def per_parameter_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """The per-parameter step's `applies` (plans/switches.py); with offload the host step runs, so
+    it is not asked."""
     if plan.per_parameter_step and not plan.offload_optimizer:
         problem = per_parameter_problem(optimizer, device)
         if problem:
             return f"a per-parameter optimizer step does not apply: {problem}"
     return None
+
+
+def fsdp_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """FSDP2's two settings' `applies` (plans/switches.py): autofit.distributed.fsdp.plan_problem."""
+    return fsdp_problem(plan, model)
 
 
 def per_parameter_problem(optimizer, device) -> str | None:

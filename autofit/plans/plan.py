@@ -58,7 +58,7 @@ class Plan:
                             f"sharded) but got {self.reshard_after_forward!r}.")
 
     @classmethod
-    def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields) -> "Plan":
+    def for_batch(cls, global_batch: int, micro_batch_size: int | None = None, **fields: object) -> "Plan":
         """A plan whose micro-batches cover `global_batch` samples (micro-batch capped at it)."""
         _positive("global_batch", global_batch)
         if micro_batch_size is not None:
@@ -71,7 +71,7 @@ class Plan:
         """The largest global batch this plan covers."""
         return self.micro_batch_size * self.accumulation_steps
 
-    def replace(self, **fields) -> "Plan":
+    def replace(self, **fields: object) -> "Plan":
         return dataclasses.replace(self, **fields)
 
     def with_micro_batch(self, micro_batch_size: int, global_batch: int) -> "Plan":
@@ -79,6 +79,11 @@ class Plan:
         _positive("global_batch", global_batch)
         micro = min(micro_batch_size, global_batch)
         return self.replace(micro_batch_size=micro, accumulation_steps=math.ceil(global_batch / micro))
+
+    def plain(self) -> "Plan":
+        """This plan with nothing a step-down turns on: the exact precision and every switch off but
+        FSDP2's (they follow how the model was sharded: `sharded_only` in plans/switches.py)."""
+        return self.replace(precision=EXACT, **{s.name: False for s in switches.SWITCHES if not s.sharded_only})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

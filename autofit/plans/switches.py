@@ -1,4 +1,5 @@
-"""The plan's switches, one entry each: what turning one on means everywhere autofit words or weighs it.
+"""The plan's switches, one entry each: what turning one on means everywhere autofit words, weighs,
+tries, applies or estimates it.
 
 A switch is a Plan field a step-down turns on (checkpointing, offload, a per-parameter optimizer
 step, FSDP2's two settings); precision has its own registry (plans/precision.py) and the
@@ -11,18 +12,33 @@ micro-batch is the ladder's split. Each entry says, in one place:
 - `config(value)`: its part of the size log's configuration key (plans/sizelog.py; kept as it was
   for each switch, so keys cached before stay the same);
 - `change(value)`: how explain words the switch turned to `value`, and `fix`: the key of the fix it
-  applies (diagnosis/fixes.py), when it is one.
-How a step applies a switch stays with what it switches (engine/checkpointing, engine/offload,
-engine/step for the per-parameter step, distributed/fsdp for FSDP2's), as does the estimator's
-reading of it: those are behaviours, not words.
+  applies (diagnosis/fixes.py), when it is one;
+- `tries(trial)`: the values the capacity check prices (estimator/cost.candidate_plans, through
+  `tried`), given the option it was handed for this switch (`Trial`); `per_micro_batch` when they
+  depend on the micro-batch.
+Its behaviours are named by "module:function" and imported on use (plans/ sits below the engine and
+the estimator, which import it; `resolve`):
+- `step`: hook(runner, plan), how a step sets it before every attempt (StepRunner.prepare calls each
+  switch's; engine/ for its own, distributed/fsdp for FSDP2's, on the runner's `sharded`);
+- `applies`: hook(plan, model, optimizer, device, checkpointing) -> why it cannot run here, or None
+  (plans/applies.not_applicable asks each, once per hook);
+- `estimate`: hook(estimator, plan) -> the value an estimate runs it with (Estimator.measured_plan);
+  None: the plan's own, which the estimator's step sets through `step`.
+What is left elsewhere reads a switch for what only it does, and says so where it does: the
+diagnosis's fixes (each one's own memory rule), the capacity check's most frugal plan (ordered by
+each one's saving), the fake-tensor estimate's optimizer state under offload, the Trainer's and
+the probe's own words.
 
-Adding a switch: a Plan field with its default, and one entry here.
+Adding a switch: a Plan field with its default, and one entry here (tests/test_switches.py adds one
+and follows it everywhere).
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -34,17 +50,60 @@ class Switch:
     label: Callable
     config: Callable
     change: Callable
+    step: str
+    tries: Callable
+    applies: str | None = None
+    estimate: str | None = None
     fix: str | None = None
     sharded_only: bool = False  # FSDP2's: applies only to a model sharded with fully_shard
     charged: Callable | None = None  # plan -> whether `cost` applies (None: whenever it is on)
+    per_micro_batch: bool = False  # `tries` depends on the micro-batch (Trial.micro_batch is set)
 
     def on(self, plan) -> bool:
         return bool(getattr(plan, self.name))
+
+    def step_hook(self) -> Callable:
+        """`step` resolved: hook(runner, plan), which sets the switch on a StepRunner."""
+        return resolve(self.step)
+
+    def applies_hook(self) -> Callable | None:
+        """`applies` resolved: hook(plan, model, optimizer, device, checkpointing) -> why not, or None."""
+        return None if self.applies is None else resolve(self.applies)
+
+    def estimate_hook(self) -> Callable | None:
+        """`estimate` resolved: hook(estimator, plan) -> the value the estimate runs with."""
+        return None if self.estimate is None else resolve(self.estimate)
 
     def cost_of(self, plan) -> float:
         """The step-time factor this switch adds to `plan`."""
         charged = self.charged(plan) if self.charged is not None else self.on(plan)
         return self.cost if charged else 1.0
+
+
+class Trial(NamedTuple):
+    """What `Switch.tries` sees when candidate_plans builds its plans: the option the capacity check
+    was given for this switch (None when it takes none), the global batch, whether the model is
+    sharded, and the micro-batch (for a `per_micro_batch` switch; None for the others)."""
+    option: object
+    global_batch: int
+    sharded: bool
+    micro_batch: int | None = None
+
+
+def resolve(reference: str) -> Callable:
+    """The function a "module:function" reference names, imported on use: plans/ sits below the
+    engine and the estimator, so it names their hooks rather than importing them."""
+    module, _, name = reference.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"the plan switch hook {reference!r} names nothing importable ({error}); a "
+                         f"hook is \"package.module:function\".") from None
+
+
+def _off_or_both(trial: Trial) -> tuple:
+    """Off, and on too when the capacity check's option allows it."""
+    return (False, True) if trial.option else (False,)
 
 
 def _simple(name):
@@ -71,6 +130,9 @@ SWITCHES = (
            label=lambda v: "checkpointing" if v else None,
            config=lambda v: (v,),
            change=lambda v: "activation checkpointing " + ("on" if v else "off"),
+           step="autofit.engine.checkpointing:step_hook",
+           applies="autofit.plans.applies:checkpointing_applies",
+           tries=_off_or_both,  # option: the model has blocks to checkpoint
            fix="checkpointing"),
     Switch("offload_optimizer", "optimizer state moves to CPU memory",
            cost=3.0,  # the update runs on the host; parameters and gradients copied each step
@@ -78,6 +140,10 @@ SWITCHES = (
            label=lambda v: "offload" if v else None,
            config=lambda v: (v,),
            change=lambda v: "optimizer state " + ("to CPU memory" if v else "back on the device"),
+           step="autofit.engine.step:offload_hook",
+           applies="autofit.plans.applies:offload_applies",
+           tries=_off_or_both,  # option: allow_offload
+           estimate="autofit.estimator.sampled:offload_measured",
            fix="offload"),
     Switch("per_parameter_step", "the optimizer updates one parameter at a time (a for-loop instead "
            "of foreach), so the step's temporaries are one parameter's",
@@ -86,6 +152,10 @@ SWITCHES = (
            label=lambda v: "per-parameter step" if v else None,
            config=lambda v: ("per-parameter step",) if v else (),
            change=lambda v: "per-parameter optimizer step " + ("on" if v else "off"),
+           step="autofit.engine.step:per_parameter_hook",
+           applies="autofit.plans.applies:per_parameter_applies",
+           # never priced: it only helps a step that ran out of memory, a move of the ladder's
+           tries=lambda trial: (False,),
            fix="per-parameter-step"),
     Switch("reshard_after_forward", "FSDP2 frees each unit's gathered parameters after forward and "
            "gathers them again in backward",
@@ -97,6 +167,10 @@ SWITCHES = (
            config=lambda v: () if v is None else ("reshard after forward" if v else "kept gathered",),
            change=lambda v: None if v is None else
            "FSDP2 " + ("reshards after forward" if v else "keeps gathered parameters for backward"),
+           step="autofit.distributed.fsdp:reshard_hook",
+           applies="autofit.plans.applies:fsdp_applies",
+           tries=lambda trial: tuple(trial.option),  # option: the values the model may use, (None,) unsharded
+           estimate="autofit.estimator.sharded:reshard_measured",
            sharded_only=True),
     Switch("reduce_each_micro_batch", "FSDP2 reduce-scatters each micro-batch's gradients into the "
            "shards instead of keeping them unsharded until the last",
@@ -106,10 +180,31 @@ SWITCHES = (
            config=lambda v: ("reduce-scatter per micro-batch",) if v else (),
            change=lambda v: "FSDP2 " + ("reduce-scatters each micro-batch" if v
                                         else "syncs gradients on the last micro-batch only"),
-           sharded_only=True,
+           step="autofit.distributed.fsdp:reduce_each_hook",
+           applies="autofit.plans.applies:fsdp_applies",
+           # with one micro-batch both are the same step
+           tries=lambda trial: (False, True) if trial.sharded and trial.micro_batch < trial.global_batch else (False,),
+           estimate="autofit.estimator.sharded:reduce_each_measured",
+           sharded_only=True, per_micro_batch=True,
            charged=lambda plan: plan.reduce_each_micro_batch and plan.accumulation_steps > 1),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
+
+
+def tried(options: dict, global_batch: int, sharded: bool, micro_batches) -> list[tuple[int, dict]]:
+    """(micro-batch, {switch: value}) for every combination the capacity check prices: each
+    switch's `tries` given its option (`options[name]`, None when absent), the switches that do not
+    depend on the micro-batch looped outside it, in the registry's order, the others inside it."""
+    outer = [s for s in SWITCHES if not s.per_micro_batch]
+    inner = [s for s in SWITCHES if s.per_micro_batch]
+
+    def values(switch, m=None):
+        return switch.tries(Trial(options.get(switch.name), global_batch, sharded, m))
+
+    return [(m, {**dict(zip([s.name for s in outer], out)), **dict(zip([s.name for s in inner], into))})
+            for out in itertools.product(*(values(s) for s in outer))
+            for m in micro_batches
+            for into in itertools.product(*(values(s, m) for s in inner))]
 
 
 def get(name: str) -> Switch:

@@ -41,6 +41,7 @@ import torch
 from autofit import torch_internals as ti
 from autofit.engine.attempt import Attempter, Outcome, outside, until_fits
 from autofit.engine.batches import slice_batch, token_counter
+from autofit.engine.interfaces import Batch, Data, Device, LossFn, MetricFn, Pace, Size
 from autofit.engine.kept import copied, joined
 from autofit.engine.layout import Layout
 from autofit.gpu.device import open_device
@@ -296,9 +297,11 @@ class _Evaluator:
         self.samples += rows
 
 
-def evaluate(model, data, *, loss_fn=None, batch_size=None, budget=None, metric_fn=None, device=None,
-             start_batch_size=None, sizer=None, expect_like=None, progress=False, pace=None,
-             batch_dim=None, layout=None) -> EvalResult:
+def evaluate(model: torch.nn.Module, data: Data, *, loss_fn: LossFn | None = None, batch_size: int | None = None,
+             budget: Size | None = None, metric_fn: MetricFn | None = None, device: Device | None = None,
+             start_batch_size: int | None = None, sizer: EvalSizer | None = None,
+             expect_like: Batch | None = None, progress: bool = False, pace: Pace | None = None,
+             batch_dim: int | dict | None = None, layout: Layout | None = None) -> EvalResult:
     """Evaluate `model` on `data` without training it; returns an EvalResult.
 
     - `batch_size`: the most rows one forward pass may take (and, without `start_batch_size`, the

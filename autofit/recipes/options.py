@@ -9,30 +9,34 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from autofit.engine.interfaces import LossFn, OptimizerArg, SchedulerArg, Size
 from autofit.plans import precision as precisions
+from autofit.plans.ladder import Move
 
 
 @dataclass(frozen=True)
 class Options:
     """What a job is told besides its model and its data."""
 
-    optimizer: object = None       # an Optimizer, or a factory params -> Optimizer (None: AdamW)
-    scheduler: object = None       # built on that optimizer, or a factory optimizer -> scheduler
-    loss_fn: object = None         # (model, batch) -> scalar loss, or (loss, kept); None: the model's own
-    budget: object = None          # device bytes ("2GiB", an int) the job may use; None: the device's
+    optimizer: OptimizerArg = None  # an Optimizer, or a factory params -> Optimizer (None: AdamW)
+    scheduler: SchedulerArg = None  # built on that optimizer, or a factory optimizer -> scheduler
+    loss_fn: LossFn | None = None  # (model, batch) -> scalar loss, or (loss, kept); None: the model's own
+    budget: Size | None = None     # device bytes ("2GiB", an int) the job may use; None: the device's
     precision: str = "auto"        # "auto", "fp32", "bf16", "fp16"
     max_grad_norm: float | None = None  # clip the global batch's gradient to this norm
-    ladder: object = None          # the moves to step down by (None: autofit's)
-    cache: object = True           # remember the plan that worked per job and device
+    ladder: Move | Sequence | Callable | None = None  # the moves to step down by (None: autofit's; plans.ladder.as_move)
+    cache: bool = True             # remember the plan that worked per job and device
     progress: bool = True          # a progress bar and step-down logging (rank 0)
     capacity_check: bool = True    # estimate plans before training and start from one that fits
     allow_split: bool = True       # False: never split a global batch into micro-batches
     shard: bool = False            # apply FSDP2's fully_shard per block (torch.distributed)
-    batch_dim: object = None       # where the batches' rows are (engine/layout.py); None: dimension 0
+    batch_dim: int | dict | None = None  # where the batches' rows are (engine/layout.py); None: dimension 0
 
     def __post_init__(self):
         precisions.check_policy(self.precision)
@@ -68,7 +72,9 @@ def keywords(function, *, leave_out=(), defaults=None):
     own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
     taken = {p.name for p in own}
     defaults = defaults or {}
-    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(f.name, f.default))
+    types = typing.get_type_hints(Options)
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(f.name, f.default),
+                               annotation=types[f.name])
              for f in dataclasses.fields(Options) if f.name not in taken and f.name not in leave_out]
     function.__signature__ = inspect.signature(function).replace(parameters=own + extra)
     return function

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from autofit.engine.batches import rows_of
 from autofit.engine.controller import Attempt
+from autofit.engine.interfaces import Data, MetricFn
 from autofit.recipes.eval_data import check_eval_data
 from autofit.engine.inputs import global_batches
 from autofit.engine.inputs import check_optimizer
@@ -38,7 +41,9 @@ class RunResult:
         return sum(a.outcome == "oom" for a in self.attempts)
 
 
-def run(model, data, *, epochs=1, batch_size=None, eval_data=None, metric_fn=None, tune=False, **options):
+def run(model: torch.nn.Module, data: Data, *, epochs: int = 1, batch_size: int | None = None,
+        eval_data: Data | None = None, metric_fn: MetricFn | None = None, tune: bool | dict = False,
+        **options: object) -> RunResult:
     """Train `model` in place on `data`, stepping down the plan whenever a global batch runs out of
     memory and replaying it, so the result is the same mathematics as a plain loop.
 

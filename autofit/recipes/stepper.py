@@ -12,9 +12,13 @@ the model, optimizer and device back as a plain loop would leave them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from autofit.engine.controller import Attempt
+from autofit.engine.interfaces import OptimizerArg
 from autofit.errors import DoesNotFit
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
@@ -122,7 +126,7 @@ class Step:
 
 
 @contextlib.contextmanager
-def _stepper(model, optimizer=None, **options):
+def _stepper(model: torch.nn.Module, optimizer: OptimizerArg = None, **options: object) -> Iterator[Step]:
     """A context manager yielding `step`; `step(batch)` trains one global batch and returns a
     `StepOutput` (.loss, .plan, .attempts, .grad_norm, .kept).
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit.plans import precision as precisions
+from autofit.plans import switches
 from autofit.engine.batches import rows_of, token_counter, tokens_per_row
 from autofit.estimator.capacity import rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost
@@ -171,20 +172,22 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
                                              optimizer=optimizer, loss_fn=loss_fn, **headroom(device),
                                              device_type="cuda" if device.type == "cuda" else "cpu",
                                              bf16_supported=device.supports_bf16()) if c.fits]
-    largest: dict[tuple, int] = {}
+    largest: dict[tuple, Plan] = {}  # per configuration (precision and switches), its largest fitting plan
     for plan in fitting:
-        largest[config_of(plan)] = max(largest.get(config_of(plan), 0), plan.micro_batch_size)
+        top = largest.get(config_of(plan))
+        if top is None or plan.micro_batch_size > top.micro_batch_size:
+            largest[config_of(plan)] = plan
     sizes = micro_batch_sizes(global_batch)
     space = [default]
-    for (precision_, checkpointing, offload), top in largest.items():
+    for top in largest.values():
         for divisor in [2 ** i for i in range(HALVINGS + 1)]:
-            size = max(s for s in sizes if s <= max(min(top, global_batch) // divisor, 1))
-            plan = Plan.for_batch(global_batch, size, precision=precision_, checkpointing=checkpointing,
-                                  offload_optimizer=offload)
+            size = max(s for s in sizes if s <= max(min(top.micro_batch_size, global_batch) // divisor, 1))
+            plan = top.with_micro_batch(size, global_batch)
             if plan not in space:
                 space.append(plan)
     order = {p: i for i, p in enumerate(precisions.names())}
     tokens = tokens_per_row(batch)  # weighed as the capacity check weighs them
     rest = sorted(space[1:], key=lambda p: (plan_cost(p, global_batch, tokens), order[p.precision],
-                                            p.checkpointing, p.offload_optimizer, -p.micro_batch_size))
+                                            *(bool(getattr(p, s.name)) for s in switches.SWITCHES),
+                                            -p.micro_batch_size))
     return default, [default] + rest

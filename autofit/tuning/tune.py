@@ -62,12 +62,13 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from autofit.engine.batches import rows_of
 from autofit.engine.controller import Attempt
+from autofit.engine.interfaces import Data, LossFn, OptimizerArg, Size
 from autofit.gpu.device import open_device
 from autofit.gpu.oom import is_oom, summarize
 from autofit.engine.inputs import build_optimizer, global_batches
@@ -94,9 +95,11 @@ log = logging.getLogger("autofit")
 STUDY_PREFIX = "autofit-"
 
 
-def tune(model, data, *, budget=None, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False,
-         batch_size=None, loss_fn=None, optimizer=None, precision="auto", storage=None, study_name=None,
-         cache=True, clock=time.perf_counter) -> TuneResult:
+def tune(model: torch.nn.Module, data: Data, *, budget: Size | None = None, n_trials: int | None = None,
+         steps: int = 3, warmup: int = 1, rounds: int = ROUNDS, retune: bool = False,
+         batch_size: int | None = None, loss_fn: LossFn | None = None, optimizer: OptimizerArg = None,
+         precision: str = "auto", storage: object = None, study_name: str | None = None, cache: bool = True,
+         clock: Callable[[], float] = time.perf_counter) -> TuneResult:
     """Measure the plans predicted to fit `budget` in `rounds` interleaved rounds, `warmup + steps`
     real global batches per plan and round (the first `warmup` untimed), and cache the plan with
     the highest median when its lead is larger than the spread (else the default plan), so the
@@ -289,9 +292,8 @@ def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock
 
 
 def _makes_a_move(plan) -> bool:
-    """Whether `plan` turns on something the plain fp32 plan does not (a precision, checkpointing,
-    offload, a per-parameter step)."""
-    return plan.precision != "fp32" or plan.checkpointing or plan.offload_optimizer or plan.per_parameter_step
+    """Whether `plan` turns on something the plain fp32 plan does not (a precision or a switch)."""
+    return plan != plan.plain()
 
 
 def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None:
