@@ -155,3 +155,26 @@ def test_the_tiled_trace_replayed_under_a_cap_equals_the_whole_walk_replayed_und
     # No cap in the band holds: the replay fails with 174, 176 or 178 MiB reserved (said with the
     # 2 MiB segment it could not get); at 180 MiB the unbounded peak fits.
     assert replays == [(176 if c < 176 else 178 if c < 178 else 180) * MiB for c in caps]
+
+
+def test_four_llama_2_7b_layers_at_one_row_of_2048_fit_a_card_of_8_99_gib_with_sgd():
+    # The reported case (CUDA's numerics, built on meta): live bytes 8.02 GiB, the unbounded
+    # reserved peak 9.97 GiB; the allocator capped at 8.99 GiB keeps under it (8.98 GiB, counted from
+    # the step's start: a reset of the peak statistics inside the step drops nothing).
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                         num_hidden_layers=4, num_key_value_heads=32, vocab_size=32000,
+                         max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    budget = int(8.99 * 2**30)
+    estimator = Estimator(model, batch, sgd)
+    unbounded = estimator.measure(Plan(1, 1, precision="fp32"))
+    assert (unbounded.peak_bytes, unbounded.reserved_bytes) == (8607058432, 10708058112)
+    candidates = rank(model, batch, budget, precision="fp32", caps="reserved", optimizer=sgd,
+                      allow_offload=False, estimator=estimator)
+    fastest = candidates[0]
+    assert fastest.plan == Plan(1, 1, precision="fp32") and fastest.fits
+    assert fastest.estimate.reserved_bytes == 9642704896 <= budget
