@@ -15,6 +15,12 @@ tensor bytes) its allocated peak — so the check compares like with like, and t
 only for what no estimate sees (`autofit.estimator.start.WORKSPACE_RESERVE` on CUDA). `calibration`
 is what measured peaks taught about this model on this device (`autofit.estimator.guide`).
 
+Where the reserved peak decides, it is the peak of the allocator capped at the limit: a card's
+allocator that reaches its limit releases its cached segments and retries before it fails, so a plan
+whose live bytes fit but whose unbounded reserved peak does not is decided by replaying its step's
+allocations under the cap (`Estimator.capped`, from the record of the walk: no second walk). A plan
+that fits so carries the capped reserved peak; one that does not keeps its unbounded estimate.
+
 Search
 ------
 For a fixed configuration (precision, checkpointing, offload) memory grows with the micro-batch, so
@@ -145,6 +151,13 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                 log.warning("estimating %s raised %s, which %s did not; plans like it are left out of the "
                             "capacity check", plan.describe(), dropped[config_of(plan)], plain.describe())
                 raise _Dropped from None
+            capped_of = getattr(estimator, "capped", None)  # None: an estimator with no record
+            if caps == "reserved" and capped_of is not None and est.peak_bytes <= limit < est.peak("reserved"):
+                # Live bytes fit, the unbounded reserved peak does not: a card's allocator releases
+                # its cached segments at the cap and retries. The step's allocations replayed under
+                # the cap decide; a plan that fits reports the capped peak.
+                capped = capped_of(plan, int(limit))
+                est = capped if capped.peak("reserved") <= limit else est
             measured[plan] = Candidate(plan, est, est.peak(caps) * calibration <= usable,
                                        plan_cost(plan, global_batch, tokens))
         return measured[plan]

@@ -40,11 +40,19 @@ model of CUDA's caching allocator (`autofit.gpu.allocator`): besides the allocat
 (`peak_bytes`), an estimate carries the peak the allocator *reserves* (`reserved_bytes`: segments,
 cached free blocks, split remainders), which is what a card's memory limit caps.
 
+A card's allocator that reaches its limit releases its cached segments and tries again before it
+fails, so a step whose unbounded reserved peak is over the limit may still run under it. The walk
+records every call of the allocator model (or, for repeated blocks, the tiled trace holds them), and
+`capped(plan, limit)` / `measure(plan, limit=...)` replay that record through the model capped at
+`limit` (`autofit.gpu.allocator.replay_capped`): the reserved peak the capped step reaches, or one over
+the limit where it fails. The walk itself is never capped, so no part of the step (the optimizer's
+update, offloaded state handed back) can fail in it: over the limit is an answer, not an error.
+
 Known differences from a card, all small or covered by `rank`'s workspace reserve and calibration:
 - the CUDA context and cuBLAS/cuDNN workspaces are not tensors and not counted; the allocator model
   replays this one step from a fresh cache, where a card's cache also holds what earlier steps left
-  (`measure(plan, after=..., limit=...)` replays the step before it and caps the model as a budget
-  does: what `autofit.estimator.guide` asks where the budget caps reserved bytes);
+  (`measure(plan, after=...)` replays the step before it: what `autofit.estimator.guide` asks
+  where the budget caps reserved bytes);
 - an attention mask is always built: Hugging Face skips an all-ones mask only when it can read
   the values, which fake tensors do not have (slightly high for unpadded batches);
 - fp16 plans are measured as bf16 (same sizes) plus GradScaler's two scalars: the scaler's
@@ -54,6 +62,7 @@ Known differences from a card, all small or covered by `rank`'s workspace reserv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -77,12 +86,13 @@ from autofit.estimator.fakes import (
     on_device_state,
     warm,
 )
-from autofit.gpu.allocator import round_size, segment_size
+from autofit.gpu.allocator import RecordingAllocator, replay_capped
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
 from autofit.plans import switches
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
+from autofit.engine.atomic import AtomicStep
 from autofit.engine.step import StepRunner
 
 log = logging.getLogger("autofit")
@@ -141,8 +151,10 @@ class _Meter(SimulatedGPU):
 
     name = "estimator"
 
-    def __init__(self):
+    def __init__(self, record: bool = True):
         super().__init__(None)
+        if record:  # every call of the allocator model, for replays under a cap
+            self.allocator = RecordingAllocator()
         self.kind = "activations"        # the kind new storages get
         self._kinds: dict[int, str] = {}  # storage key -> kind
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it
@@ -153,17 +165,20 @@ class _Meter(SimulatedGPU):
         self.step_top = None   # the peak while it ran
         self.carried = None    # the earlier micro-batches' loss total, until the step
         self.outer_top, self.outer_breakdown = 0, dict(self.totals)  # the peak outside the step
-        self.refused = None    # the bytes the allocator model's limit refused, if it did
 
-    def _oom(self, need: int, injected: bool = False) -> torch.OutOfMemoryError:
-        self.refused = need
-        return super()._oom(need, injected)
+    def tracked(self) -> None:
+        """What was there before the step (parameters, state) is counted; the rest is allocated."""
 
     def finish(self) -> None:
-        """The step's figures have been read (a tracing meter stops recording here)."""
+        """The step's figures have been read: records stop here."""
+        if isinstance(self.allocator, RecordingAllocator):
+            self.allocator.recording = False
 
     def start(self) -> None:
-        self.allocator.reset_peak()
+        if isinstance(self.allocator, RecordingAllocator):
+            self.allocator.begin()
+        else:
+            self.allocator.reset_peak()
         self.top = self.outer_top = self._allocated
         self.top_breakdown = dict(self.totals)
         self.outer_breakdown = dict(self.totals)
@@ -247,16 +262,63 @@ class _FakeDevice(SimulatedDevice):
     def __init__(self, meter: _Meter):
         super().__init__(meter)
         self.name = "estimator"
+        self._hosted = 0  # > 0 inside host()
 
     def to_device(self, batch):
         with self.gpu.as_kind("other"):
             return _map_tensors(batch, lambda t: t.clone())
 
+    @contextlib.contextmanager
+    def host(self):
+        self._hosted += 1
+        try:
+            with self.gpu.untracked():
+                yield
+        finally:
+            self._hosted -= 1
+
     def on_device(self, tensor):
         # Every tensor of the estimated step stands for device memory, the optimizer state too,
         # though it is counted only once the step begins (`_first_step`): the runner must never
-        # take it for host state left by an offload and "bring it back" (a second copy).
-        return True
+        # take it for host state left by an offload and "bring it back" (a second copy). Where
+        # host memory is made (`host()`: an offload taking the state to the host, staging the
+        # parameters and gradients there for its update), none is: those copies are host memory
+        # (counted nowhere), the device tensors they copy stay alive and counted through the
+        # update, and in-place writes back allocate nothing, so moving them would change nothing
+        # counted and cost a fake op per tensor.
+        return not self._hosted
+
+
+@contextlib.contextmanager
+def _step_hooks(optimizer, device: _FakeDevice, before: list, after: list):
+    """Call `before` and `after` (functions of no argument) around every step of the estimator's
+    fake optimizer. A step called inside the device's `host()` (an offloaded plan's update, which runs
+    on the host) is not run: all it would allocate is host memory, counted nowhere, and all it writes
+    is values, which fake tensors do not hold; its fake ops are a third of an offloaded walk."""
+    real = optimizer.step
+
+    def step(*args, **kwargs):
+        for hook in list(before):
+            hook()
+        try:
+            return None if device._hosted else real(*args, **kwargs)
+        finally:
+            for hook in after:
+                hook()
+    optimizer.step = step  # the estimator's own copy, for this walk
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+class _Unguarded(AtomicStep):
+    """The estimated step's optimizer step, never guarded by a host snapshot: the walk cannot run
+    out of memory (its allocator model has no limit; caps are replayed afterwards), so there is
+    nothing to roll back, and a snapshot is a fake copy of every state tensor counted nowhere."""
+
+    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True) -> None:
+        super().__call__(step_fn, key=key, guard=False, params=params)
 
 
 # -- the estimate -------------------------------------------------------------------------------
@@ -368,18 +430,18 @@ class Estimator:
         is replayed first through the allocator model, making the optimizer state as a run's first
         step makes it, and the reserved peak is that of `plan`'s step on the cache it left
         (`after=plan`: a run that starts with `plan`); without it, from a fresh cache. With `limit`,
-        the allocator model reserves at most that many bytes, releasing its cached segments when it
-        reaches it as a capped card's allocator does; a replay that cannot stay under it has a
-        reserved peak over it (what it held when it failed plus the segment it could not get)."""
+        the reserved peak is that of the allocator model capped at that many bytes, releasing its
+        cached segments when it reaches the cap as a capped card's allocator does (`capped`)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+        self._recorded = None
         if self._sampled is None:
             cached = len(ti.fake_tensor_mode_class().cache)
             try:
                 with self._quiet():
-                    estimate = self._derived(plan) if after is None and limit is None else None
+                    estimate = self._derived(plan) if after is None else None
                     if estimate is None:
-                        estimate = self._measure(plan, after, limit)
+                        estimate = self._measure(plan, after)
             except Exception as error:
                 self._sample(error)
             finally:
@@ -387,7 +449,36 @@ class Estimator:
         if self._sampled is not None:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
-        return estimate
+        return estimate if limit is None else self._capped(estimate, limit)
+
+    def capped(self, plan: Plan, limit: int) -> MemoryEstimate:
+        """`plan`'s estimate (from a fresh cache) with the reserved peak of the allocator model capped
+        at `limit` bytes: the step's record of allocations replayed under the cap (the last
+        `measure(plan)`'s, else `plan` is measured first). Over `limit` when the capped replay fails;
+        an estimate measured on real rows (`method="sampled"`) has no record and stays as it is."""
+        recorded = getattr(self, "_recorded", None)
+        if recorded is None or recorded[0] != plan:
+            estimate = self.measure(plan)
+        else:
+            estimate = recorded[1]
+        return self._capped(estimate, limit)
+
+    def _capped(self, estimate: MemoryEstimate, limit: int) -> MemoryEstimate:
+        reserved, allocated = estimate.reserved_bytes, estimate.peak_bytes
+        recorded = getattr(self, "_recorded", None)
+        if reserved is None or reserved <= limit or allocated > limit or recorded is None \
+                or recorded[1] is not estimate:
+            # Under the cap unbounded: the capped allocator never reaches it, the same replay. Live
+            # bytes over it: no cache to release helps.
+            return estimate
+        _, _, replay, extra = recorded
+        capped, _ = replay(limit)
+        return dataclasses.replace(estimate, reserved_bytes=capped + extra)
+
+    def _record(self, plan: Plan, estimate: MemoryEstimate, replay, extra: int) -> None:
+        """Keep how to replay `estimate`'s allocations under a cap: `replay(limit) -> (reserved
+        peak, fitted)`, to which an estimate adds `extra` (GradScaler's scalars)."""
+        self._recorded = (plan, estimate, replay, extra)
 
     def _derived(self, plan: Plan) -> MemoryEstimate | None:
         """`plan`'s estimate derived from a walk through 3 of the model's alike blocks, or None
@@ -404,42 +495,28 @@ class Estimator:
     def _counting_mode(self, meter) -> _CountingMode:
         return _CountingMode(meter)
 
-    def _over_limit(self, plan: Plan, meter) -> MemoryEstimate:
-        """The estimate of a replay that ran out of the allocator model's limit: its reserved peak
-        is what was reserved then plus the segment it could not get (over the limit)."""
-        refused = meter.refused
-        return MemoryEstimate(plan=plan, peak_bytes=meter.top, breakdown=dict(meter.top_breakdown),
-                              device_type=self.device_type, resident=dict(self.resident),
-                              reserved_bytes=meter.allocator.reserved + segment_size(round_size(refused)),
-                              optimizer=self.optimizer_name)
-
-    def _first_step(self, meter, device, plan: Plan, state) -> bool:
+    def _first_step(self, meter, device, plan: Plan, state) -> None:
         """Replay a run's first step under `plan` through `meter`'s allocator: the optimizer state
         takes its blocks when the step begins, after the backward pass freed the activations, as
-        the optimizer's lazy initialisation does. False when it ran out of the meter's limit."""
+        the optimizer's lazy initialisation does."""
         made = []
 
-        def make_state(*_):
+        def make_state():
             if not made:
                 made.append(True)
                 with meter.as_kind("optimizer"):
                     meter.track(state)
-        hook = self.optimizer.register_step_pre_hook(make_state)
+        self._before_step.append(make_state)
         numerics = precisions.get(plan.precision)
         runner = self._runner(device)
         try:
             runner.run(self.batch, plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan)
-        except torch.OutOfMemoryError:
-            if meter.refused is None:
-                raise
-            return False
         finally:
-            hook.remove()
+            self._before_step.remove(make_state)
             runner.close()
             self.optimizer.zero_grad(set_to_none=True)
         if not made:  # a plan whose step never ran the optimizer: the state is made now
             make_state()
-        return True
 
     def _device(self, meter):
         return _FakeDevice(meter)
@@ -452,11 +529,12 @@ class Estimator:
         return self.batch, False
 
     def _runner(self, device) -> StepRunner:
-        return StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+        runner = StepRunner(self.model, self.optimizer, device, loss_fn=self.loss_fn)
+        runner.atomic = _Unguarded(self.optimizer, device)
+        return runner
 
-    def _measure(self, plan: Plan, after: Plan | None = None, limit: int | None = None) -> MemoryEstimate:
+    def _measure(self, plan: Plan, after: Plan | None = None) -> MemoryEstimate:
         meter = self._new_meter()
-        meter.allocator.limit = limit
         device = self._device(meter)
         numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
         run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
@@ -469,19 +547,20 @@ class Estimator:
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
                  for p in _unique(self.model.parameters()) if p.requires_grad]
-        hooks.append(self.optimizer.register_step_pre_hook(meter.step_begins))
-        hooks.append(self.optimizer.register_step_post_hook(meter.step_ends))
+        self._before_step = [meter.step_begins]
         attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
-            with self.mode, attention, self._counting_mode(meter):
+            with self.mode, attention, self._counting_mode(meter), \
+                    _step_hooks(self.optimizer, device, self._before_step, [meter.step_ends]):
                 with meter.as_kind("params"):
                     meter.track(params)
                 if after is None:
                     with meter.as_kind("optimizer"):
                         meter.track(state)
-                elif not self._first_step(meter, device, after, state):
-                    return self._over_limit(plan, meter)
+                else:
+                    self._first_step(meter, device, after, state)
+                meter.tracked()
                 if accumulates:
                     with meter.as_kind("grads"), torch.no_grad():
                         for p in _unique(self.model.parameters()):
@@ -492,12 +571,7 @@ class Estimator:
                 runner = self._runner(device)
                 meter.start()
                 try:
-                    try:
-                        runner.run(batch, run_plan)
-                    except torch.OutOfMemoryError:
-                        if meter.refused is None:
-                            raise
-                        return self._over_limit(plan, meter)
+                    runner.run(batch, run_plan)
                     # Read before close(): bringing offloaded state back is the end of a run.
                     peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
                     reserved = meter.allocator.max_reserved
@@ -509,14 +583,19 @@ class Estimator:
             for h in hooks:
                 h.remove()
             self.optimizer.zero_grad(set_to_none=True)
-        if numerics.needs_scaler:
-            peak += SCALER_BYTES
-            reserved += SCALER_BYTES  # two small-pool blocks; at most one more 2 MiB segment
-            breakdown["other"] += SCALER_BYTES
-        return MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
-                              device_type=self.device_type, resident=dict(self.resident),
-                              step_bytes=step, reserved_bytes=reserved,
-                              optimizer=self.optimizer_name)
+        extra = SCALER_BYTES if numerics.needs_scaler else 0
+        # GradScaler's scalars: two small-pool blocks; at most one more 2 MiB segment.
+        peak, reserved = peak + extra, reserved + extra
+        breakdown["other"] += extra
+        estimate = MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
+                                  device_type=self.device_type, resident=dict(self.resident),
+                                  step_bytes=step, reserved_bytes=reserved,
+                                  optimizer=self.optimizer_name)
+        if isinstance(meter.allocator, RecordingAllocator):
+            events = meter.allocator.events
+            self._record(plan if after is None else (plan, after), estimate,
+                         lambda limit: replay_capped(events, limit), extra)
+        return estimate
 
 
 def _forget_cached_dispatch(keep: int) -> None:

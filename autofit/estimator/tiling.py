@@ -22,7 +22,8 @@ import itertools
 from autofit.estimator.estimate import SCALER_BYTES, Estimator, MemoryEstimate
 from autofit.estimator.repeated import repeated_blocks
 from autofit.estimator.traced import Untileable, _CutEstimator
-from autofit.gpu.allocator import CachingAllocator
+from autofit.errors import AllocationFailed
+from autofit.gpu.allocator import CachingAllocator, round_size, segment_size
 from autofit.gpu.memory import KINDS
 from autofit.plans import precision as precisions
 
@@ -34,7 +35,8 @@ MIDDLE = 2
 # -- tiling and replay ---------------------------------------------------------------------------
 
 Event = tuple  # ("a", block, loose, uid, bytes, kind) | ("f", block, loose, uid) |
-#                ("k", block, loose, uid, kind) | ("start",) | ("s",) | ("e",); uid = (tag, ordinal)
+#                ("k", block, loose, uid, kind) | ("t",) | ("start",) | ("s",) | ("e",); uid = (tag, ordinal)
+# ("t",): what was there before the step is placed (estimate._Meter.tracked)
 
 
 def _sections(events):
@@ -161,6 +163,33 @@ def replay(events: list) -> tuple[int, dict, int | None, int]:
     return top, top_breakdown, step_top, allocator.max_reserved
 
 
+def replay_capped(events: list, limit: int) -> tuple[int, bool]:
+    """(reserved peak, True) of a trace replayed through the allocator model capped at `limit`, as
+    `autofit.gpu.allocator.replay_capped` replays a walk's record: what was there before the step
+    (up to the "t" marker) is placed whatever the cap, as the walk places it; (reserved when a
+    request failed plus the segment it needed, False) when the cap cannot be kept."""
+    allocator = CachingAllocator(limit)
+    blocks: dict = {}
+    enforce = False
+    for e in events:
+        kind = e[0]
+        if kind == "a":
+            if e[2]:
+                try:
+                    blocks[e[1]] = allocator.malloc(e[2], enforce)
+                except AllocationFailed:
+                    return allocator.reserved + segment_size(round_size(e[2])), False
+        elif kind == "f":
+            block = blocks.pop(e[1], None)
+            if block is not None:
+                allocator.free(block)
+        elif kind == "t":
+            enforce = True
+        elif kind == "start":
+            allocator.reset_peak()
+    return allocator.max_reserved, True
+
+
 class Repeated:
     """An estimator's repeated blocks: its cut copies and which kinds of plan passed the check."""
 
@@ -210,13 +239,16 @@ class Repeated:
                 if tiled != walked(check) or replay(tiled)[0] + extra != walked_estimate.peak_bytes:
                     raise Untileable("the trace tiled to 4 blocks differs from the walk of 4")
                 self.checked[kind] = True
-            peak, breakdown, step, reserved = replay(tile(events, self.blocks))
+            tiled = tile(events, self.blocks)
+            peak, breakdown, step, reserved = replay(tiled)
         except Exception as error:  # the cut copy cannot stand for the model: walk it whole
             self.checked[kind] = False
             self.why[kind] = f"{type(error).__name__}: {error}"
             return None
         breakdown["other"] += extra
-        return MemoryEstimate(plan=plan, peak_bytes=peak + extra, breakdown=breakdown,
-                              device_type=self.parent.device_type, resident=dict(self.parent.resident),
-                              step_bytes=step, reserved_bytes=reserved + extra,
-                              optimizer=self.parent.optimizer_name)
+        estimate = MemoryEstimate(plan=plan, peak_bytes=peak + extra, breakdown=breakdown,
+                                  device_type=self.parent.device_type, resident=dict(self.parent.resident),
+                                  step_bytes=step, reserved_bytes=reserved + extra,
+                                  optimizer=self.parent.optimizer_name)
+        self.parent._record(plan, estimate, lambda limit: replay_capped(tiled, limit), extra)
+        return estimate

@@ -28,7 +28,7 @@ class _TracingMeter(_Meter):
     """The estimator's meter, recording each allocation (tagged with its block), free and retag."""
 
     def __init__(self, block_of: dict):
-        super().__init__()
+        super().__init__(record=False)  # the trace is the record
         self.block_of = block_of  # storage key -> block (1-based) of the cut copy's own tensors
         self.phase = None         # the block whose forward or backward runs, None outside them
         self.events: list = []
@@ -42,6 +42,9 @@ class _TracingMeter(_Meter):
 
     def finish(self) -> None:
         self.recording = False
+
+    def tracked(self) -> None:
+        self._emit(("t",))
 
     def start(self) -> None:
         super().start()

@@ -19,6 +19,10 @@ stream), re-stated here:
 pages (2 MiB in the small pool, 20 MiB in the large one) at the lowest address where the request
 fits; any remainder of 512 bytes or more is split off; releasing unmaps the whole pages of free blocks.
 
+`RecordingAllocator` also writes down every call in order, and `replay_capped` replays such a record
+through an allocator capped at a limit: what a card of that limit does with the same allocations
+(the estimator records its walk once, uncapped, and asks any limit of the record).
+
 Not modelled: several streams and their events, CUDA graphs' private pools, `max_split_size_mb`,
 `roundup_power2_divisions`, garbage-collection thresholds; segment addresses are made up (each new
 segment lies above the previous one), which only decides ties between equal-size free blocks.
@@ -290,3 +294,61 @@ class CachingAllocator:
                 self._merge(b, b.next)
             else:
                 b = b.next
+
+
+class RecordingAllocator(CachingAllocator):
+    """An unlimited allocator that records every call, for `replay_capped`; `recording = False`
+    stops the record (the figures of the step have been read)."""
+
+    def __init__(self, expandable: bool = False):
+        super().__init__(None, expandable)
+        # ("m", nbytes, enforce, id) | ("f", id) | ("r",): `begin` | ("c",): `release_cached`
+        self.events: list[tuple] = []
+        self.recording = True
+
+    def malloc(self, nbytes: int, enforce: bool = True) -> Block:
+        block = super().malloc(nbytes, enforce)
+        if self.recording:
+            self.events.append(("m", nbytes, enforce, id(block)))
+        return block
+
+    def free(self, block: Block) -> None:
+        if self.recording:
+            self.events.append(("f", id(block)))
+        super().free(block)
+
+    def release_cached(self) -> None:
+        if self.recording:
+            self.events.append(("c",))
+        super().release_cached()
+
+    def begin(self) -> None:
+        """The measured step begins: a replay's peak counts from here. The step's own resets of the
+        peak statistics are not recorded (a capped allocator's reserved bytes fall when it releases
+        its cache, so a reset would drop the peak before it)."""
+        self.reset_peak()
+        if self.recording:
+            self.events.append(("r",))
+
+
+def replay_capped(events: list, limit: int, expandable: bool = False) -> tuple[int, bool]:
+    """(reserved peak, True) of `events` (a `RecordingAllocator`'s) replayed by an allocator whose
+    reserved bytes are capped at `limit`, which releases its cached segments when it reaches the cap
+    and retries, as a card's does; (what it reserved when a request failed anyway plus the segment
+    that request needed, over the limit, False) when it cannot stay under the cap."""
+    allocator = CachingAllocator(limit, expandable)
+    blocks: dict[int, Block] = {}
+    for e in events:
+        op = e[0]
+        if op == "m":
+            try:
+                blocks[e[3]] = allocator.malloc(e[1], e[2])
+            except AllocationFailed:
+                return allocator.reserved + segment_size(round_size(e[1])), False
+        elif op == "f":
+            allocator.free(blocks.pop(e[1]))
+        elif op == "r":
+            allocator.reset_peak()
+        else:
+            allocator.release_cached()
+    return allocator.max_reserved, True
