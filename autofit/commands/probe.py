@@ -51,6 +51,7 @@ def cmd_probe(args) -> int:
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)
+    batch = finetune.batch_for(batch, weights=args.weights)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
     header = {"model": spec, "model_class": type(model).__name__,
@@ -99,7 +100,7 @@ def cmd_probe(args) -> int:
 
 
 _TRAINED = {"full": "the whole model", "frozen-base": "the head on a frozen base", "lora": "LoRA adapters"}
-_OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with momentum", "adafactor": "Adafactor"}
+_OPTIMIZER_NAMES = finetune.OPTIMIZER_NAMES
 
 
 def _no_plan(header: dict, reason: str) -> dict:
