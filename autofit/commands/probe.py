@@ -6,7 +6,7 @@ import json
 import sys
 
 from autofit.sizes import format_size
-from autofit.commands import finetune
+from autofit.commands import finetune, verdict
 from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
 from autofit.errors import one_line
 
@@ -93,6 +93,7 @@ def cmd_probe(args) -> int:
                                                       shown.estimate.breakdown.items()},
               "host_optimizer_bytes": _host_state(shown),
               "reason": reason}
+    result["verdict"] = verdict.sentence(result, candidates, chosen)
     code = _probe_report(args, result, shown)
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
@@ -107,7 +108,7 @@ def _no_plan(header: dict, reason: str) -> dict:
     """The probe's result when nothing was estimated: every field of a result, empty."""
     return {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
             "predicted_reserved_bytes": None, "table": [], "breakdown": None,
-            "host_optimizer_bytes": None, "reason": reason}
+            "host_optimizer_bytes": None, "reason": reason, "verdict": None}
 
 
 def _host_state(shown) -> int | None:
@@ -174,6 +175,8 @@ def _probe_report(args, result: dict, shown) -> int:
             f"blocks above the allocated peak)")
     else:
         out("no plan fits")
+    if result["verdict"]:
+        out(result["verdict"])
     if not result["fits"]:
         print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
     return code
