@@ -45,6 +45,7 @@ def cmd_probe(args) -> int:
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
                          "drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
+    optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
     from autofit.commands import models
     from autofit.estimator.start import WORKSPACE_RESERVE
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -74,7 +75,7 @@ def cmd_probe(args) -> int:
             # A card's limit caps what the caching allocator reserves: the reserved peak decides.
             candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
                                        reserve=WORKSPACE_RESERVE, device_type="cuda",
-                                       optimizer=finetune.optimizer_factory(args.optimizer))
+                                       optimizer=optimizer)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")

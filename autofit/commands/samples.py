@@ -13,7 +13,7 @@ The labels follow the task (the transformers Auto mapping the model class is in)
 (sequence, image and audio classification), the input ids (causal and masked LM), one class per
 token (token classification), or target token ids [batch, seq] with the `decoder_input_ids` they
 shift to (sequence-to-sequence: the decoder's inputs are the labels shifted right behind the
-decoder start token).
+decoder start token). A size the config lacks is read from its sub-configs (CLIP's vision_config).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main_input(model: torch.nn.Module) -> str:
 def decoder_start(config) -> int:
     """The token the decoder's inputs begin with: the config's decoder start, else its pad token."""
     for attr in ("decoder_start_token_id", "pad_token_id"):
-        value = getattr(config, attr, None)
+        value = _value(config, attr)
         if isinstance(value, int) and value >= 0:
             return value
     return 0
@@ -79,7 +79,7 @@ def _main_input(name, model, config, batch_size, seq_len, gen) -> torch.Tensor:
                            generator=gen)
     if name == "input_features":
         frames = _frames(model, config, seq_len)
-        mels = getattr(config, "num_mel_bins", None)
+        mels = _value(config, "num_mel_bins")
         if mels is not None:
             return torch.randn(batch_size, _positive(config, "num_mel_bins"), frames, generator=gen)
         width = _positive(config, "input_feat_per_channel") * _positive(config, "input_channels", 1)
@@ -87,17 +87,30 @@ def _main_input(name, model, config, batch_size, seq_len, gen) -> torch.Tensor:
     return torch.randn(batch_size, seq_len, generator=gen)  # input_values: raw audio samples
 
 
+def _value(config, attr: str, default=None):
+    """`attr` of the config, else of its first sub-config holding it (a composite model's
+    vision_config, audio_config, text_config carry their tower's sizes)."""
+    value = getattr(config, attr, None)
+    if value is not None:
+        return value
+    for name in sorted(vars(config)):
+        sub = getattr(config, name, None)
+        if name.endswith("_config") and hasattr(sub, "to_dict") and getattr(sub, attr, None) is not None:
+            return getattr(sub, attr)
+    return default
+
+
 def _token_ids(config, batch_size, seq_len, gen) -> torch.Tensor:
-    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    vocab = int(_value(config, "vocab_size", 0) or 2)
     return torch.randint(0, vocab, (batch_size, seq_len), generator=gen, dtype=torch.int64)
 
 
 def _labels(config) -> int:
-    return int(getattr(config, "num_labels", 2) or 2)
+    return int(_value(config, "num_labels", 2) or 2)
 
 
 def _image_size(config) -> tuple[int, int]:
-    size = getattr(config, "image_size", None)
+    size = _value(config, "image_size")
     if isinstance(size, int) and size > 0:
         return size, size
     if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
@@ -107,7 +120,7 @@ def _image_size(config) -> tuple[int, int]:
 
 
 def _frames(model, config, seq_len) -> int:
-    window = getattr(config, "max_source_positions", None)
+    window = _value(config, "max_source_positions")
     if not (isinstance(window, int) and window > 0):
         return seq_len
     strides = [m.stride[0] for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
@@ -115,7 +128,7 @@ def _frames(model, config, seq_len) -> int:
 
 
 def _positive(config, attr: str, default: int | None = None) -> int:
-    value = getattr(config, attr, default)
+    value = _value(config, attr, default)
     if not (isinstance(value, int) and value > 0):
         raise ModelSpecError(f"the config's {attr} is {value!r}; the probe needs a positive int to shape "
                              f"the model's inputs.")

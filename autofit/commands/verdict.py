@@ -33,10 +33,15 @@ def sentence(result: dict, candidates, chosen) -> str | None:
     name = OPTIMIZER_NAMES[result["optimizer"]]
     if chosen is not None and chosen.plan.offload_optimizer:
         state, states = _resident(chosen)["optimizer"], _model_states(chosen, with_state=False)
-        what = (f"{name} state alone ({_s(state)}) exceeds the card's {_s(usable)} usable" if state > usable
-                else f"{name} state ({_s(state)}) on top of parameters and gradients ({_s(states)}) does not "
-                     f"fit the card's {_s(usable)} usable")
-        return f"{what}: the plan offloads it to host memory{_options(result, chosen, 'fit without offload')}."
+        if state > usable:
+            what = f"{name} state alone ({_s(state)}) exceeds the card's {_s(usable)} usable: every fitting plan"
+        elif state + states > usable:
+            what = (f"{name} state ({_s(state)}) with parameters and gradients ({_s(states)}) exceeds the "
+                    f"card's {_s(usable)} usable: every fitting plan")
+        else:
+            what = (f"Parameters, gradients and {name} state ({_s(state + states)}) leave too little of the "
+                    f"card's {_s(usable)} usable for the activations: the plan")
+        return f"{what} offloads the state to host memory{_options(result, chosen, 'fit without offload')}."
     if chosen is candidates[0]:
         kind, size = _largest(chosen.estimate.breakdown)
         return (f"The fastest plan fits: {chosen.plan.describe()} reserves {_s(_reserved(chosen))} of the "
