@@ -150,6 +150,7 @@ def _storage_bytes(tensors) -> int:
     return sum(-(-n // 512) * 512 for n in storages.values())
 
 
+@pytest.mark.slow  # importing bitsandbytes takes seconds
 def test_adamw8bit_state_is_priced_as_bitsandbytes_allocates_it(capsys):
     bnb = pytest.importorskip("bitsandbytes")
     code = main(["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16",
@@ -241,6 +242,12 @@ def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
     assert verdict.sentence(result(600 * MiB), [smallest], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
+    # A checkpointed plan's activations say nothing of LoRA's: no LoRA suggestion from it.
+    checkpointed = candidate(Plan(1, 8, checkpointing=True, offload_optimizer=True), False, params=400 * MiB,
+                             grads=400 * MiB, state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
+    assert verdict.sentence(result(600 * MiB), [checkpointed], None) == (
+        "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
+        "offloaded: no plan fits; a larger card is needed.")
 
 
 def test_the_probe_ends_with_the_verdict_in_text_and_json(capsys):
