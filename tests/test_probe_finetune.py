@@ -238,7 +238,8 @@ def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
     smallest = candidate(Plan(1, 8, offload_optimizer=True), False, params=400 * MiB, grads=400 * MiB,
                          state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
     assert verdict.sentence(result(300 * MiB, weights="bf16"), [smallest], None) == (
-        "Parameters alone (400.00 MiB) exceed the 300.00 MiB usable: no plan fits; a larger card is needed.")
+        "Parameters alone (400.00 MiB) exceed the 300.00 MiB usable: no plan fits; by this breakdown no one "
+        "change of --optimizer, --trainable or --weights fits.")
     assert verdict.sentence(result(600 * MiB), [smallest], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
@@ -247,7 +248,8 @@ def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
                              grads=400 * MiB, state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
     assert verdict.sentence(result(600 * MiB), [checkpointed], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
-        "offloaded: no plan fits; a larger card is needed.")
+        "offloaded: no plan fits; by this breakdown no one change of --optimizer, --trainable or --weights "
+        "fits.")
 
 
 def test_the_probe_ends_with_the_verdict_in_text_and_json(capsys):

@@ -70,7 +70,9 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         what = (f"Even the smallest plan ({smallest.plan.describe()}) reserves {_s(_reserved(smallest))} of "
                 f"the {_s(usable)} usable, {_s(smallest.estimate.breakdown.get('activations', 0))} of it "
                 f"activations")
-    return f"{what}: no plan fits{_options(result, smallest, 'fit', fallback='; a larger card is needed')}."
+    # Options combined (LoRA on bf16 weights) may fit where none alone does: say only what was worked out.
+    alone = "; by this breakdown no one change of --optimizer, --trainable or --weights fits"
+    return f"{what}: no plan fits{_options(result, smallest, 'fit', fallback=alone)}."
 
 
 def _options(result: dict, candidate, outcome: str, fallback: str = "") -> str:
