@@ -261,3 +261,15 @@ def test_the_probe_ends_with_the_verdict_in_text_and_json(capsys):
     assert got["verdict"] == last == (
         "The fastest plan fits: micro 8 x 1, fp32 reserves 4.00 MiB of the 550.40 MiB usable, optimizer "
         "state the largest part (1.29 MiB); nothing needs to change.")
+
+
+def test_a_config_with_no_class_the_probe_trains_is_refused(tmp_path):
+    config = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, architectures=["CLIPVisionModel"])
+    with pytest.raises(models.ModelSpecError) as info:
+        models.load(_saved(tmp_path / "tower", config))
+    assert str(info.value) == (
+        "transformers has no model the probe can train for model_type 'clip_vision_model' (architectures: "
+        "CLIPVisionModel); the probe trains the classes of CAUSAL_LM, MASKED_LM, SEQ_TO_SEQ_CAUSAL_LM, "
+        "SPEECH_SEQ_2_SEQ, SEQUENCE_CLASSIFICATION, IMAGE_CLASSIFICATION, AUDIO_CLASSIFICATION, "
+        "TOKEN_CLASSIFICATION: name one in the config's \"architectures\" or use module:function.")

@@ -176,13 +176,13 @@ def _build(cls, config, task, batch_size, seq_len, device):
     if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids":
         raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
                              f"({limit} positions); pass --seq-len {limit} or less.")
+    if task == "seq2seq":
+        _check_decoder_length(cls, config, seq_len)
     try:
         with torch.device(device), quiet_transformers():
             model = cls(config)
     except Exception as e:
         raise ModelSpecError(f"cannot build {cls.__name__} from its config: {_one_line(e)}") from e
-    if task == "seq2seq":
-        _check_decoder_length(cls, config, seq_len)
     return model, samples.sample_batch(model, config, task, batch_size, seq_len)
 
 
