@@ -141,7 +141,7 @@ JSON_FIELDS = ["model", "model_class", "parameters", "trainable", "trained_param
                "batch_size", "seq_len", "precision", "gpu_mem_bytes",
                "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_reserve_bytes",
                "usable_bytes", "fits", "plan", "predicted_peak_bytes", "predicted_reserved_bytes", "table",
-               "breakdown", "host_optimizer_bytes", "reason"]
+               "breakdown", "host_optimizer_bytes", "reason", "verdict"]
 
 
 def test_probe_json_fits(capsys):
@@ -366,6 +366,9 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
         "optimizer 200.00 MiB, activations 290.00 MiB, other 10.00 MiB)",
         "predicted reserved peak: 720.00 MiB of 760.00 MiB usable (20.00 MiB of segments and cached blocks "
         "above the allocated peak)",
+        "Activations decide the plan: micro 32 x 1, fp32 would hold 480.00 MiB of them and reserve 920.00 MiB "
+        "of the 760.00 MiB usable, so it runs micro 16 x 2, fp32; a shorter --seq-len or a smaller --batch-size "
+        "would let a faster plan fit.",
     ]
     assert err == ""
     assert main(argv + ["--json", "--precision", "bf16"]) == 0
@@ -383,7 +386,7 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     # An offloaded plan says where its optimizer state went.
     ranked[:] = [candidate(8, 4, "bf16", 300, True, 1.5, 96, offload=True)]
     assert main(argv) == 0
-    assert capsys.readouterr().out.splitlines()[-4:-1] == [
+    assert capsys.readouterr().out.splitlines()[-5:-2] == [
         "chosen plan: micro 8 x 4, bf16, offload",
         "predicted peak: 300.00 MiB of a 824.00 MiB budget (params 100.00 MiB, grads 100.00 MiB, "
         "optimizer 0 bytes, activations 96.00 MiB, other 4.00 MiB)",
@@ -622,7 +625,7 @@ def test_probe_prices_the_optimizer_the_part_trained_and_the_weights(capsys):
     # bf16 weights: the parameters take half the bytes
     bf16 = _resident(capsys, "--weights", "bf16")
     assert bf16["breakdown"]["params"] < 0.6 * full["breakdown"]["params"]
-    assert finetune.OPTIMIZERS == ("adamw", "sgd", "sgd-momentum", "adafactor")
+    assert finetune.OPTIMIZERS == ("adamw", "sgd", "sgd-momentum", "adafactor", "adamw8bit")
 
 
 def _state_bytes(got) -> int:

@@ -11,18 +11,20 @@ A spec is one of
 Built-in and config models are built on the meta device by default (`device="meta"`): their
 parameters have shapes and dtypes but no storage, so BERT-base costs no memory and builds in
 milliseconds; the estimator turns them into fake tensors. Pass `device="cpu"` for a real model
-(training, `probe --verify`). Sample batches are real int64 CPU tensors `input_ids`,
-`attention_mask` and `labels` of shape [batch, seq] ([batch] for sequence-classification labels),
-drawn from a fixed seed so every call gives the same batch.
+(training, `probe --verify`). Sample batches are real CPU tensors shaped for the model's own inputs
+(token ids, pixel values, audio features, decoder inputs: autofit.commands.samples), drawn from a
+fixed seed so every call gives the same batch.
 
 Which class a config.json builds (a decision, in this order):
-1. the first entry of the config's `architectures` that names a transformers class ending in
-   ForSequenceClassification, ForCausalLM, LMHeadModel or ForMaskedLM;
-2. otherwise a causal LM when transformers has one for the config's `model_type` (labels are the
-   input ids: every token is a target, the costliest common fine-tune); an encoder family's causal
-   head (BertLMHeadModel) is built with `is_decoder=True`, as transformers asks;
-3. otherwise sequence classification when it has one (one label per row);
-4. otherwise ModelSpecError naming the model type.
+1. the first entry of the config's `architectures` that names a transformers class in one of the
+   Auto mappings the probe trains (`_TASK_MAPPINGS`: causal LM, masked LM, sequence-to-sequence LM,
+   speech sequence-to-sequence, sequence / image / audio classification, token classification); the
+   mapping holding it gives the task, hence the labels;
+2. otherwise the model_type's class in those mappings, causal LM first (labels are the input ids:
+   every token is a target, the costliest common fine-tune), then sequence-to-sequence, then
+   classification; an encoder family's causal head (BertLMHeadModel) is built with
+   `is_decoder=True`, as transformers asks;
+3. otherwise ModelSpecError naming the model type.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from collections.abc import Mapping
 
 import torch
 
+from autofit.commands import samples
 from autofit.errors import ModelSpecError
 
 DEFAULT = "bert-base"
-SEED = 0
 
 
 # name -> (config class name, config keyword arguments, model class name, task)
@@ -58,8 +60,22 @@ BUILTINS: dict[str, tuple[str, dict, str, str]] = {
                   "GPT2LMHeadModel", "causal"),
 }
 
-_TASK_SUFFIXES = (("ForSequenceClassification", "classification"), ("ForCausalLM", "causal"),
-                  ("LMHeadModel", "causal"), ("ForMaskedLM", "masked"))
+# The transformers Auto mappings whose classes the probe trains, and the labels each takes (see
+# autofit.commands.samples); a class's task is the first mapping that holds it.
+_TASK_MAPPINGS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal"),
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
+    ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "seq2seq"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "classification"),
+    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "classification"),
+    ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "classification"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
+)
+# Without architectures: the model_type's class in these, in this order (costliest common fine-tune
+# first: a causal LM, where every token is a target).
+_BY_MODEL_TYPE = tuple(m for m in _TASK_MAPPINGS if m[1] != "masked" and m[1] != "token-classification")
+_TASK_NAMES = ", ".join(m.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES") for m, _ in _TASK_MAPPINGS)
 
 
 def known() -> str:
@@ -118,20 +134,33 @@ def _from_config(path: pathlib.Path, batch_size, seq_len, device):
 
 
 def _class_for(config):
+    """(model class, task) for a config: its architectures first, else its model_type's mappings."""
     import transformers
     for arch in getattr(config, "architectures", None) or ():
-        for suffix, task in _TASK_SUFFIXES:
-            if arch.endswith(suffix) and hasattr(transformers, arch):
-                return getattr(transformers, arch), task
+        task = _task_of(arch)
+        if task is not None and hasattr(transformers, arch):
+            return getattr(transformers, arch), task
     from transformers.models.auto import modeling_auto as auto
-    for mapping, task in ((auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal"),
-                          (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "classification")):
-        name = mapping.get(config.model_type)
-        if name and hasattr(transformers, name):
-            return getattr(transformers, name), task
-    raise ModelSpecError(f"transformers has no causal-LM or sequence-classification model for "
-                         f"model_type {config.model_type!r}; name one in the config's \"architectures\" "
-                         f"or use module:function.")
+    for mapping, task in _BY_MODEL_TYPE:
+        names = getattr(auto, mapping).get(config.model_type)
+        for name in (names,) if isinstance(names, str) else names or ():
+            if hasattr(transformers, name):
+                return getattr(transformers, name), task
+    named = ", ".join(getattr(config, "architectures", None) or ()) or "none"
+    raise ModelSpecError(f"transformers has no model the probe can train for model_type "
+                         f"{config.model_type!r} (architectures: {named}); the probe trains the classes of "
+                         f"{_TASK_NAMES}: name one in the config's \"architectures\" or use "
+                         f"module:function.")
+
+
+def _task_of(class_name: str) -> str | None:
+    """The task of a transformers class: the first Auto mapping (of `_TASK_MAPPINGS`) that holds it."""
+    from transformers.models.auto import modeling_auto as auto
+    for mapping, task in _TASK_MAPPINGS:
+        for names in getattr(auto, mapping).values():
+            if class_name == names or (not isinstance(names, str) and class_name in names):
+                return task
+    return None
 
 
 def _max_positions(config) -> int | None:
@@ -144,15 +173,24 @@ def _max_positions(config) -> int | None:
 
 def _build(cls, config, task, batch_size, seq_len, device):
     limit = _max_positions(config)
-    if limit is not None and seq_len > limit:
+    if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids":
         raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
                              f"({limit} positions); pass --seq-len {limit} or less.")
+    if task == "seq2seq":
+        _check_decoder_length(cls, config, seq_len)
     try:
         with torch.device(device), quiet_transformers():
             model = cls(config)
     except Exception as e:
         raise ModelSpecError(f"cannot build {cls.__name__} from its config: {_one_line(e)}") from e
-    return model, sample_batch(config, task, batch_size, seq_len)
+    return model, samples.sample_batch(model, config, task, batch_size, seq_len)
+
+
+def _check_decoder_length(cls, config, seq_len) -> None:
+    limit = getattr(config, "max_target_positions", None)
+    if isinstance(limit, int) and 0 < limit < seq_len:
+        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__}'s decoder takes "
+                             f"({limit} target positions); pass --seq-len {limit} or less.")
 
 
 @contextlib.contextmanager
@@ -165,20 +203,6 @@ def quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(before)
-
-
-def sample_batch(config, task: str, batch_size: int, seq_len: int) -> dict:
-    """input_ids / attention_mask / labels for `task` ("classification", "causal" or "masked")."""
-    gen = torch.Generator().manual_seed(SEED)
-    vocab = int(getattr(config, "vocab_size", 0) or 2)
-    input_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen, dtype=torch.int64)
-    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if task == "classification":
-        labels = int(getattr(config, "num_labels", 2) or 2)
-        batch["labels"] = torch.randint(0, labels, (batch_size,), generator=gen, dtype=torch.int64)
-    else:
-        batch["labels"] = input_ids.clone()
-    return batch
 
 
 # -- module:function ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 import sys
 
 from autofit.sizes import format_size
-from autofit.commands import finetune
+from autofit.commands import finetune, verdict
 from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
 from autofit.errors import one_line
 
@@ -45,12 +45,14 @@ def cmd_probe(args) -> int:
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
                          "drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
+    optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
     from autofit.commands import models
     from autofit.estimator.start import WORKSPACE_RESERVE
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)
+    batch = finetune.batch_for(batch, weights=args.weights)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
     header = {"model": spec, "model_class": type(model).__name__,
@@ -73,7 +75,7 @@ def cmd_probe(args) -> int:
             # A card's limit caps what the caching allocator reserves: the reserved peak decides.
             candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
                                        reserve=WORKSPACE_RESERVE, device_type="cuda",
-                                       optimizer=finetune.optimizer_factory(args.optimizer))
+                                       optimizer=optimizer)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
@@ -92,6 +94,7 @@ def cmd_probe(args) -> int:
                                                       shown.estimate.breakdown.items()},
               "host_optimizer_bytes": _host_state(shown),
               "reason": reason}
+    result["verdict"] = verdict.sentence(result, candidates, chosen)
     code = _probe_report(args, result, shown)
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
@@ -99,14 +102,14 @@ def cmd_probe(args) -> int:
 
 
 _TRAINED = {"full": "the whole model", "frozen-base": "the head on a frozen base", "lora": "LoRA adapters"}
-_OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with momentum", "adafactor": "Adafactor"}
+_OPTIMIZER_NAMES = finetune.OPTIMIZER_NAMES
 
 
 def _no_plan(header: dict, reason: str) -> dict:
     """The probe's result when nothing was estimated: every field of a result, empty."""
     return {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
             "predicted_reserved_bytes": None, "table": [], "breakdown": None,
-            "host_optimizer_bytes": None, "reason": reason}
+            "host_optimizer_bytes": None, "reason": reason, "verdict": None}
 
 
 def _host_state(shown) -> int | None:
@@ -174,6 +177,8 @@ def _probe_report(args, result: dict, shown) -> int:
             f"blocks above the allocated peak)")
     else:
         out("no plan fits")
+    if result["verdict"]:
+        out(result["verdict"])
     if not result["fits"]:
         print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
     return code

@@ -1,0 +1,275 @@
+"""The probe's fine-tunes: any config.json the transformers Auto classes know (the batch follows the
+model's inputs), bitsandbytes' 8-bit AdamW, and the verdict sentence that ends the output."""
+
+import json
+import sys
+
+import pytest
+import torch
+import transformers
+
+from autofit.cli import main
+from autofit.commands import models, verdict
+from autofit.estimator.capacity import Candidate
+from autofit.estimator.estimate import MemoryEstimate
+from autofit.plans.plan import Plan
+
+MiB, GiB = 2**20, 2**30
+SMALL = ["--batch-size", "2", "--seq-len", "8"]
+
+
+@pytest.fixture(autouse=True)
+def no_cuda(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def vit(tmp_path):
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=64, image_size=32, patch_size=8, num_channels=3,
+                                    architectures=["ViTForImageClassification"])
+    return _saved(tmp_path / "vit", config)
+
+
+def t5(tmp_path):
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                   num_decoder_layers=1, num_heads=2, architectures=["T5ForConditionalGeneration"])
+    return _saved(tmp_path / "t5", config)
+
+
+def whisper(tmp_path):
+    config = transformers.WhisperConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+        max_source_positions=16, max_target_positions=32, pad_token_id=1, bos_token_id=2, eos_token_id=3,
+        decoder_start_token_id=2, begin_suppress_tokens=None, suppress_tokens=None,
+        architectures=["WhisperForConditionalGeneration"])
+    return _saved(tmp_path / "whisper", config)
+
+
+def _saved(folder, config) -> str:
+    folder.mkdir()
+    config.save_pretrained(str(folder))
+    return str(folder)
+
+
+def shapes(batch):
+    return {k: (list(v.shape), v.dtype) for k, v in batch.items()}
+
+
+# -- config.json: the class from architectures, the batch from its inputs ---------------------------
+
+def test_vit_config_builds_image_classification_with_pixel_values(tmp_path):
+    model, batch = models.load(vit(tmp_path), batch_size=2, seq_len=8, device="cpu")
+    assert type(model) is transformers.ViTForImageClassification
+    assert shapes(batch) == {"pixel_values": ([2, 3, 32, 32], torch.float32), "labels": ([2], torch.int64)}
+    assert set(batch["labels"].tolist()) <= {0, 1}
+    assert torch.isfinite(model(**batch).loss)  # the batch is what the model takes
+
+
+def test_t5_config_builds_conditional_generation_with_decoder_inputs(tmp_path):
+    model, batch = models.load(t5(tmp_path), batch_size=2, seq_len=8, device="cpu")
+    assert type(model) is transformers.T5ForConditionalGeneration
+    assert shapes(batch) == {"input_ids": ([2, 8], torch.int64), "attention_mask": ([2, 8], torch.int64),
+                             "decoder_input_ids": ([2, 8], torch.int64), "labels": ([2, 8], torch.int64)}
+    # the decoder reads the labels shifted right behind its start token (T5: the pad token, 0)
+    assert batch["decoder_input_ids"][:, 0].tolist() == [0, 0]
+    assert torch.equal(batch["decoder_input_ids"][:, 1:], batch["labels"][:, :-1])
+    assert torch.isfinite(model(**batch).loss)
+
+
+def test_whisper_config_builds_speech_seq2seq_with_input_features(tmp_path):
+    model, batch = models.load(whisper(tmp_path), batch_size=2, seq_len=8, device="cpu")
+    assert type(model) is transformers.WhisperForConditionalGeneration
+    # 16 encoder positions behind convolutions of total stride 2: 32 mel frames, as Whisper checks
+    assert shapes(batch) == {"input_features": ([2, 8, 32], torch.float32),
+                             "decoder_input_ids": ([2, 8], torch.int64), "labels": ([2, 8], torch.int64)}
+    assert batch["decoder_input_ids"][:, 0].tolist() == [2, 2]
+    assert torch.isfinite(model(**batch).loss)
+
+
+@pytest.mark.parametrize("build, cls", [(vit, "ViTForImageClassification"), (t5, "T5ForConditionalGeneration"),
+                                        (whisper, "WhisperForConditionalGeneration")])
+def test_probe_plans_each_config(capsys, tmp_path, build, cls):
+    assert main(["probe", "--gpu-mem", "1GiB", "--model", build(tmp_path), *SMALL]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith(f"model            {tmp_path / build.__name__} ({cls}, ")
+    assert "chosen plan: micro 2 x 1, fp32" in lines  # plenty of room: the whole batch at once
+    assert lines[-1].startswith("The fastest plan fits: micro 2 x 1, fp32 reserves 2.00 MiB of the 550.40 MiB usable")
+    assert err == ""
+
+
+def test_probe_feeds_float_inputs_in_the_weights_dtype(capsys, tmp_path):
+    # Whisper's first convolution takes its features in its own dtype: bf16 weights, bf16 features.
+    code = main(["probe", "--gpu-mem", "1GiB", "--model", whisper(tmp_path), *SMALL, "--weights", "bf16", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0 and got["model_class"] == "WhisperForConditionalGeneration" and got["fits"] is True
+
+
+def test_decoder_longer_than_its_positions_is_refused(tmp_path):
+    with pytest.raises(models.ModelSpecError) as info:
+        models.load(whisper(tmp_path), batch_size=2, seq_len=33)
+    assert str(info.value) == ("seq_len 33 is longer than WhisperForConditionalGeneration's decoder takes "
+                               "(32 target positions); pass --seq-len 32 or less.")
+
+
+def test_a_class_outside_the_mappings_falls_back_to_the_model_type(tmp_path):
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=64, image_size=32, patch_size=8, architectures=["ViTModel"])
+    model, batch = models.load(_saved(tmp_path / "vitmodel", config), batch_size=2, seq_len=8)
+    assert type(model) is transformers.ViTForImageClassification
+    assert list(batch) == ["pixel_values", "labels"]
+
+
+def test_composite_config_sizes_come_from_its_sub_config(tmp_path):
+    config = transformers.CLIPConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=100),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                           image_size=24, patch_size=8, num_channels=3))
+    model, batch = models.load(_saved(tmp_path / "clip", config), batch_size=2, seq_len=8, device="cpu")
+    assert type(model) is transformers.CLIPForImageClassification
+    assert shapes(batch)["pixel_values"] == ([2, 3, 24, 24], torch.float32)
+    assert torch.isfinite(model(**batch).loss)
+
+
+# -- 8-bit AdamW -----------------------------------------------------------------------------------
+
+def test_adamw8bit_without_bitsandbytes_is_bad_usage(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    code = main(["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", *SMALL, "--optimizer", "adamw8bit"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err == "autofit: error: --optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes.\n"
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes the CUDA allocator would give these tensors: each storage once, in 512-byte blocks."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(-(-n // 512) * 512 for n in storages.values())
+
+
+@pytest.mark.slow  # importing bitsandbytes takes seconds
+def test_adamw8bit_state_is_priced_as_bitsandbytes_allocates_it(capsys):
+    bnb = pytest.importorskip("bitsandbytes")
+    code = main(["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16",
+                 "--optimizer", "adamw8bit", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0 and got["optimizer"] == "adamw8bit" and got["plan"]["offload_optimizer"] is False
+    # A real step of bitsandbytes' AdamW8bit on the real model: the state it made.
+    model, batch = models.load("tiny-bert", batch_size=8, seq_len=16, device="cpu")
+    optimizer = bnb.optim.AdamW8bit(model.parameters())
+    model(**batch).loss.backward()
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert got["breakdown"]["optimizer"] == _storage_bytes(state) == 377856
+    # Its rule: uint8 moments and an fp32 absmax per 256 values, fp32 moments under 4096 values, one
+    # pair of 256-entry quantization maps shared by every tensor.
+    rule = sum(2 * -(-4 * n // 512) * 512 if n < 4096 else 2 * (-(-n // 512) * 512 + -(-4 * -(-n // 256) // 512) * 512)
+               for n in (p.numel() for p in model.parameters())) + 2 * 256 * 4
+    assert rule == 377856
+
+
+# -- the verdict -----------------------------------------------------------------------------------
+
+def candidate(plan, fits, *, params, grads, state, activations, reserved, cost=1.0):
+    on_device = 0 if plan.offload_optimizer else state
+    breakdown = {"params": params, "grads": grads, "optimizer": on_device, "activations": activations, "other": 0}
+    estimate = MemoryEstimate(plan, sum(breakdown.values()), breakdown, reserved_bytes=reserved,
+                              resident={"params": params, "grads": grads, "optimizer": state})
+    return Candidate(plan, estimate, fits, cost)
+
+
+def result(usable, optimizer="adamw", trainable="full", weights="fp32", trained=0):
+    return {"usable_bytes": usable, "optimizer": optimizer, "trainable": trainable, "weights": weights,
+            "trained_parameters": trained}
+
+
+def test_verdict_when_the_optimizer_state_alone_exceeds_the_card():
+    # 1000M parameters in fp32: 3.73 GiB each of weights and gradients, 7.45 GiB of AdamW state.
+    n = 1000 * 10**6
+    offloaded = candidate(Plan(4, 2, offload_optimizer=True), True, params=4 * n, grads=4 * n, state=8 * n,
+                          activations=1 * GiB, reserved=9 * GiB)
+    # The options follow from the breakdown: 9 GiB on the card without the state, 16.45 GiB with it;
+    # LoRA drops the gradients and the state (5.27 GiB), bf16 weights halve all three (9.00 GiB), an
+    # optimizer its state by bytes per parameter (8-bit AdamW 1.89 GiB, momentum 3.73 GiB, SGD none).
+    assert verdict.sentence(result(7 * GiB, trained=n), [offloaded], offloaded) == (
+        "AdamW state alone (7.45 GiB) exceeds the card's 7.00 GiB usable: every fitting plan offloads the "
+        "state to host memory; by this breakdown, --trainable lora would fit without offload.")
+    assert verdict.sentence(result(12 * GiB, trained=n), [offloaded], offloaded) == (
+        "AdamW state (7.45 GiB) with parameters and gradients (7.45 GiB) exceeds the card's 12.00 GiB "
+        "usable: every fitting plan offloads the state to host memory; by this breakdown, --optimizer "
+        "adamw8bit, --trainable lora or --weights bf16 would fit without offload.")
+    assert verdict.sentence(result(10 * GiB, trained=n), [offloaded], offloaded) == (
+        "AdamW state (7.45 GiB) with parameters and gradients (7.45 GiB) exceeds the card's 10.00 GiB "
+        "usable: every fitting plan offloads the state to host memory; by this breakdown, --optimizer sgd, "
+        "--trainable lora or --weights bf16 would fit without offload.")
+
+
+def test_verdict_when_activations_decide():
+    whole = candidate(Plan(32, 1), False, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+                      activations=2 * GiB, reserved=2600 * MiB)
+    split = candidate(Plan(8, 4, checkpointing=True), True, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+                      activations=100 * MiB, reserved=520 * MiB, cost=1.4)
+    assert verdict.sentence(result(1 * GiB), [whole, split], split) == (
+        "Activations decide the plan: micro 32 x 1, fp32 would hold 2.00 GiB of them and reserve 2.54 GiB "
+        "of the 1.00 GiB usable, so it runs micro 8 x 4, fp32, checkpointing; a shorter --seq-len or a "
+        "smaller --batch-size would let a faster plan fit.")
+
+
+def test_verdict_when_the_fastest_plan_fits():
+    whole = candidate(Plan(32, 1), True, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+                      activations=300 * MiB, reserved=720 * MiB)
+    assert verdict.sentence(result(1 * GiB), [whole], whole) == (
+        "The fastest plan fits: micro 32 x 1, fp32 reserves 720.00 MiB of the 1.00 GiB usable, activations "
+        "the largest part (300.00 MiB); nothing needs to change.")
+
+
+def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
+    whole = candidate(Plan(8, 1), False, params=400 * MiB, grads=400 * MiB, state=800 * MiB,
+                      activations=100 * MiB, reserved=1800 * MiB)
+    bf16 = candidate(Plan(8, 1, "bf16"), True, params=400 * MiB, grads=400 * MiB, state=800 * MiB,
+                     activations=50 * MiB, reserved=1700 * MiB, cost=1.2)
+    assert verdict.sentence(result(1750 * MiB, trained=100 * 2**20), [whole, bf16], bf16) == (
+        "The model's states decide the plan: parameters, gradients and AdamW state take 1.56 GiB of the "
+        "1.71 GiB usable, so it runs micro 8 x 1, bf16; by this breakdown, --optimizer sgd-momentum, "
+        "--trainable lora or --weights bf16 would let a faster plan fit.")
+    smallest = candidate(Plan(1, 8, offload_optimizer=True), False, params=400 * MiB, grads=400 * MiB,
+                         state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
+    assert verdict.sentence(result(300 * MiB, weights="bf16"), [smallest], None) == (
+        "Parameters alone (400.00 MiB) exceed the 300.00 MiB usable: no plan fits; by this breakdown no one "
+        "change of --optimizer, --trainable or --weights fits.")
+    assert verdict.sentence(result(600 * MiB), [smallest], None) == (
+        "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
+        "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
+    # A checkpointed plan's activations say nothing of LoRA's: no LoRA suggestion from it.
+    checkpointed = candidate(Plan(1, 8, checkpointing=True, offload_optimizer=True), False, params=400 * MiB,
+                             grads=400 * MiB, state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
+    assert verdict.sentence(result(600 * MiB), [checkpointed], None) == (
+        "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
+        "offloaded: no plan fits; by this breakdown no one change of --optimizer, --trainable or --weights "
+        "fits.")
+
+
+def test_the_probe_ends_with_the_verdict_in_text_and_json(capsys):
+    argv = ["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert main(argv + ["--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["verdict"] == last == (
+        "The fastest plan fits: micro 8 x 1, fp32 reserves 4.00 MiB of the 550.40 MiB usable, optimizer "
+        "state the largest part (1.29 MiB); nothing needs to change.")
+
+
+def test_a_config_with_no_class_the_probe_trains_is_refused(tmp_path):
+    config = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, architectures=["CLIPVisionModel"])
+    with pytest.raises(models.ModelSpecError) as info:
+        models.load(_saved(tmp_path / "tower", config))
+    assert str(info.value) == (
+        "transformers has no model the probe can train for model_type 'clip_vision_model' (architectures: "
+        "CLIPVisionModel); the probe trains the classes of CAUSAL_LM, MASKED_LM, SEQ_TO_SEQ_CAUSAL_LM, "
+        "SPEECH_SEQ_2_SEQ, SEQUENCE_CLASSIFICATION, IMAGE_CLASSIFICATION, AUDIO_CLASSIFICATION, "
+        "TOKEN_CLASSIFICATION: name one in the config's \"architectures\" or use module:function.")
