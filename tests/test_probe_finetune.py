@@ -207,10 +207,13 @@ def test_verdict_when_the_optimizer_state_alone_exceeds_the_card():
         "--trainable lora or --weights bf16 would fit without offload.")
 
 
+SMALL_STATES = dict(params=100 * MiB, grads=100 * MiB, state=200 * MiB)  # of a small model
+
+
 def test_verdict_when_activations_decide():
-    whole = candidate(Plan(32, 1), False, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+    whole = candidate(Plan(32, 1), False, **SMALL_STATES,
                       activations=2 * GiB, reserved=2600 * MiB)
-    split = candidate(Plan(8, 4, checkpointing=True), True, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+    split = candidate(Plan(8, 4, checkpointing=True), True, **SMALL_STATES,
                       activations=100 * MiB, reserved=520 * MiB, cost=1.4)
     assert verdict.sentence(result(1 * GiB), [whole, split], split) == (
         "Activations decide the plan: micro 32 x 1, fp32 would hold 2.00 GiB of them and reserve 2.54 GiB "
@@ -219,7 +222,7 @@ def test_verdict_when_activations_decide():
 
 
 def test_verdict_when_the_fastest_plan_fits():
-    whole = candidate(Plan(32, 1), True, params=100 * MiB, grads=100 * MiB, state=200 * MiB,
+    whole = candidate(Plan(32, 1), True, **SMALL_STATES,
                       activations=300 * MiB, reserved=720 * MiB)
     assert verdict.sentence(result(1 * GiB), [whole], whole) == (
         "The fastest plan fits: micro 32 x 1, fp32 reserves 720.00 MiB of the 1.00 GiB usable, activations "
