@@ -83,3 +83,31 @@ def user_module(tmp_path, monkeypatch):
     yield write
     for name in written:
         sys.modules.pop(name, None)
+
+
+# With README's command (pytest-xdist, --dist loadfile) the files are handed out whole, and xdist's
+# own order is most tests first: the long spawned-rank scenarios (a few tests each, a minute or more)
+# came last, where one of them kept a worker busy after the other had finished. Files with a slow
+# test go first instead, so the short ones at the end let both workers finish together.
+def pytest_configure(config):
+    if getattr(config.option, "dist", None) == "loadfile":  # the controller: keep the order below
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller sets up each worker
+def pytest_configure_node(node):
+    node.workerinput["slow_files_first"] = node.config.option.dist == "loadfile"
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected what does not run
+def pytest_collection_modifyitems(config, items):
+    """In each worker: the files with a selected slow test first, then the others; within each group
+    the files with the most tests first (xdist's own order); a file's tests keep their order."""
+    if not getattr(config, "workerinput", {}).get("slow_files_first"):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests),
+                                                      -len(tests)))
+    items[:] = [t for tests in order for t in tests]
