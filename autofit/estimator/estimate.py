@@ -86,7 +86,7 @@ from autofit.estimator.fakes import (
     on_device_state,
     warm,
 )
-from autofit.gpu.allocator import RecordingAllocator, replay_capped
+from autofit.gpu.recorded import RecordingAllocator, replay_capped
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
 from autofit.plans import switches
