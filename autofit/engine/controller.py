@@ -25,6 +25,7 @@ from autofit.engine.replay import StartState
 from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
+from autofit.gpu.fragmentation import requested
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.plans.applies import unavailable_changes
 from autofit.plans.sizelog import SizeLog
@@ -37,6 +38,18 @@ log = logging.getLogger("autofit")
 # each time it comes back), so one bad moment (fragmentation, another process) is not a verdict
 # for the rest of the run: the micro-batch search probes above it again. See README, "The ladder".
 EXPIRE_AFTER = 100
+RULED_OUT = "the estimate, calibrated by this run's out-of-memory attempts, says it does not fit"
+
+
+def reached(memory: dict, text: str) -> int | None:
+    """Bytes a failed attempt is known to have needed at least: what it held when it failed (the
+    breakdown's kinds) plus the allocation that failed, whose size the message gives to two
+    decimals of its unit (taken at the low end of that rounding); None without a size."""
+    asked = requested(RuntimeError(text))
+    if asked is None:
+        return None
+    unit = next((u for u in (2**30, 2**20, 2**10) if asked >= u), 1)
+    return sum(memory.values()) + asked - (unit // 200 if unit > 1 else 0)
 
 
 class Controller:
@@ -155,7 +168,7 @@ class Controller:
             self.sizes.record(plan, True, global_batch)
             if self._good_total:  # the run's first step made the optimizer state: it proves less
                 self.proven.record(plan, True, global_batch, length=self.sizes.length)
-                self.guide.observe(plan, outcome.peak, self.sizes.length)
+            self.guide.observe(plan, outcome.peak, self.sizes.length, first=not self._good_total)
             self._good_total += 1
             self.reason = "kept: fitted the previous global batch"
             self._expire()
@@ -234,6 +247,7 @@ class Controller:
         if self._retry_once(plan, step, global_batch, text):
             return True
         self.sizes.record(plan, False, global_batch)
+        self.guide.failed(plan, self.sizes.length, reached=reached(memory, text))
         self._failed.append((plan.with_micro_batch(plan.micro_batch_size, global_batch), self.sizes.length))
         self._good_steps = 0
         self._step_down(plan, global_batch, text, where)
@@ -272,6 +286,11 @@ class Controller:
 
     def _step_down(self, plan: Plan, global_batch: int, text: str, where: str = "") -> None:
         fallback, self._fallback = self._fallback, None
+        if fallback is not None and self._rules_out(fallback):
+            self._ruled_out([fallback], global_batch)
+            if not self.quiet:
+                log.info("not back to %s: %s", fallback.describe(), RULED_OUT)
+            fallback = None
         if fallback is not None and not self.sizes.known_to_fail(fallback):
             new, why = fallback, "back to the largest micro-batch known to fit"
         else:
@@ -291,10 +310,43 @@ class Controller:
         """The next plan down: the moves for the phase that failed first (where the runner's phases
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if self.runner.phase_steers_ladder else ""
-        taken = next_down(self.ladder, plan, global_batch, phase=phase,
-                          not_applicable=self._not_applicable,
-                          failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
-        return taken if taken is not None else (None, "")
+        length, ruled = self.sizes.length, []
+
+        def failed(p: Plan) -> bool:
+            if self.sizes.known_to_fail(p):
+                return True
+            if self._rules_out(p):
+                ruled.append(p)
+                return True
+            return False
+
+        def walk(failed):
+            return next_down(self.ladder, plan, global_batch, phase=phase, not_applicable=self._not_applicable,
+                             failed=failed, said=self._said, quiet=self.quiet)
+        taken = walk(failed)
+        if taken is None:  # the estimate rules out every plan left: the ladder's own next step
+            taken = walk(self.sizes.known_to_fail)
+            return taken if taken is not None else (None, "")
+        if ruled:
+            self._ruled_out(ruled, global_batch)
+            taken = (taken[0], f"{taken[1]}; past {', '.join(p.describe() for p in ruled)}: "
+                               f"{RULED_OUT}")
+        return taken
+
+    def _rules_out(self, plan: Plan) -> bool:
+        """The calibrated estimate says `plan` does not fit, and no step after the run's first proved
+        it does (a proof beats an estimate)."""
+        proven = self.proven.fit(plan, self.sizes.length)
+        return (proven is None or proven < plan.micro_batch_size) and \
+            self.guide.rules_out(plan, self.sizes.length)
+
+    def _ruled_out(self, plans, global_batch: int) -> None:
+        """Plans the step-down walked past on the calibrated estimate's word are no longer taken as
+        fitting (what fitted the run's first step, before the optimizer state), so the next batch
+        does not go back to them; they are not failures either: the ladder is never exhausted on an
+        estimate's word, and the search may probe them again."""
+        for p in plans:
+            self.sizes.forget_fit(p.with_micro_batch(p.micro_batch_size, global_batch))
 
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:

@@ -10,8 +10,28 @@ The capacity check predicts which plans fit before the first step; a `Guide` kee
   starts calibrated.
 - `largest(plan, fit, ceiling)`: the largest micro-batch in [fit, ceiling) whose calibrated
   estimate fits the usable budget. The controller's upward probe (`SizeLog.probe_up`) goes there
-  first instead of bisecting blindly; when a size at or below a guess has failed, the guess was
-  wrong and the search bisects between what fitted and that failure.
+  first instead of bisecting blindly.
+- `failed(plan, length, reached)`: an attempt that ran out of memory proves a lower bound on the
+  factor: its real peak exceeded the usable budget (and reached at least `reached`, what it held
+  when it failed plus the allocation that failed), so factor > that / predicted. The calibration
+  becomes the larger of the factor and the bound, so later estimates (this configuration's, other
+  configurations', the next run's through the cache) no longer call the failed step a fit. In the
+  configuration that failed, a guess is then at most the bisection's midpoint between what fitted
+  and the failure: estimates proven wrong there only ever lower the blind search's next size.
+  A failure the guide is not told of (one at or below its last guess) leaves the search to bisect.
+  The step-down after a failure walks past the plans the bound rules out (`rules_out`), the
+  capacity check's start plan failing on the run's first step included.
+
+The rule between a bound and a factor: the calibration is the larger of the two, the factor in
+force when the attempt failed (this run's, else the cached one) having been proven too low. A later
+good measurement that becomes the applied factor replaces the bound: a measured factor is better
+information than a bound, which holds only as tightly as the point where the step failed (an OOM
+early in a step bounds its peak loosely), and a bound kept above measurements would hold the search
+below sizes that fit (where what an estimate misses is part constant, the factor of a small
+micro-batch is below that of a large one). `measured`, the factor the plan cache keeps, is that
+larger of the two at the run's end: a run whose failures nothing measured after keeps its bound,
+so the next run of the model starts below the size that failed; that run's own measurements replace
+it, as they replace any cached factor.
 
 Where the budget caps reserved bytes, what fits depends on the cache's history: the segments a
 step leaves are where the next step's blocks go, so a size that fits a fresh cache may not fit after
@@ -43,8 +63,10 @@ class Guide:
     def __init__(self, device, caps: str, usable: float, calibration: float | None = None):
         self.device, self.caps, self.usable = device, caps, usable
         self.known = calibration              # from the plan cache, for this model and device
-        self.measured: float | None = None    # this run's own factor: measured / predicted ...
+        self.ratio: float | None = None       # measured / predicted ...
         self.measured_at = 0                  # ... at this micro-batch, the largest measured
+        self.bound: float | None = None       # the factor is above this: proven by an OOM
+        self.failures: set = set()            # configurations in which a step the guide learned from failed
         self.estimator = None
         self.rows = self.length = None        # the estimated batch's rows and row length
         self.estimates: dict = {}             # plan -> MemoryEstimate
@@ -52,8 +74,18 @@ class Guide:
         self.previous: Plan | None = None     # the plan of the run's last good step, as seen here
 
     @property
+    def measured(self) -> float | None:
+        """This run's own factor (what the plan cache keeps), or None: the ratio measured at the
+        largest micro-batch measured (before that, the cached factor), raised to the bound an
+        out-of-memory attempt proved."""
+        factor = self.ratio if self.ratio is not None else self.known
+        if self.bound is None:
+            return self.ratio
+        return self.bound if factor is None else max(factor, self.bound)
+
+    @property
     def calibration(self) -> float:
-        """The factor applied to estimates: this run's own once measured, else the cached one.
+        """The factor applied to estimates: this run's own once measured or bounded, else the cached one.
         Where the budget caps reserved bytes, never under 1: the reserved peak depends on what the
         cache held before the step (a run that grew its micro-batch reuses segments a fresh cache
         would not have), so one step's shortfall says little about a larger plan's. The allocated
@@ -99,10 +131,14 @@ class Guide:
                 return None
         return self.estimates[key].peak(self.caps)
 
-    def observe(self, plan: Plan, peak: int, length) -> None:
+    def observe(self, plan: Plan, peak: int, length, first: bool = False) -> None:
         """A good attempt of `plan` on rows `length` long whose allocated peak was `peak` (on a
-        step after the first: the optimizer state is there, as in the estimate)."""
+        step after the first: the optimizer state is there, as in the estimate). Of the run's
+        `first` good step only the plan is kept: the step the next one's replay follows."""
         if length != self.length:
+            return
+        if first:
+            self.previous = plan
             return
         measured = self.device.max_memory_reserved() if self.caps == "reserved" else peak
         predicted = self.predicted(plan, after=self.previous)
@@ -112,7 +148,34 @@ class Guide:
         # The factor of the largest micro-batch measured: the nearest to where the search probes
         # (what an estimate misses is part constant, part proportional to the rows).
         if plan.micro_batch_size >= self.measured_at:
-            self.measured, self.measured_at = measured / predicted, plan.micro_batch_size
+            self.ratio, self.measured_at = measured / predicted, plan.micro_batch_size
+            self.bound = None  # a measurement replaces a bound: see the module's docstring
+
+    def failed(self, plan: Plan, length, reached: int | None = None) -> None:
+        """An attempt of `plan` on rows `length` long ran out of memory (a verdict: not one replayed
+        for fragmentation or retried as transient); `reached`: the bytes it is known to have needed
+        at least, or None. Its real peak (of `caps`) was over the usable budget: at least one byte
+        more, the least that makes the failed step itself predicted not to fit again (no other
+        margin: a guess proven wrong lowers the next one to the midpoint anyway, see `largest`)."""
+        if length != self.length:
+            return
+        predicted = self.predicted(plan, after=self.previous)  # as the guess that chose it replayed it
+        if not predicted:
+            return
+        bound = max(self.usable + 1, reached or 0) / predicted
+        self.bound = bound if self.bound is None else max(self.bound, bound)
+        config = config_of(plan)
+        self.failures.add(config)
+        self.guessed.pop(config, None)  # learned from: guide again, under the bound
+
+    def rules_out(self, plan: Plan, length=None) -> bool:
+        """True when, after a failure this run learned from (a bound in force), the calibrated
+        estimate says `plan` does not fit a step after the run's last good one: the controller's
+        step-down walks past it as past a size known to fail."""
+        if self.bound is None or length != self.length or self.estimator is None:
+            return False
+        peak = self.predicted(plan, after=self.previous)
+        return peak is not None and peak * self.calibration > self.usable
 
     def start(self, plan: Plan, ceiling: int | None, length=None) -> Plan:
         """The plan a run starts with: `plan` at the largest micro-batch below `ceiling` (default: all
@@ -129,14 +192,15 @@ class Guide:
 
     def largest(self, plan: Plan, fit: int, ceiling: int, length=None, start: bool = False) -> int | None:
         """The largest micro-batch in [fit, ceiling) predicted to fit `plan`'s configuration, or
-        None when the guide cannot say (other row lengths, no estimator, a guess proven wrong).
-        Each size is estimated after a step of `plan` at `fit` (the plan the run is at), or after
-        its own first step with `start` (see the module's docstring)."""
+        None when the guide cannot say (other row lengths, no estimator, a guess proven wrong by a
+        failure it was not told of). In a configuration where a step failed (`failed`), at most the
+        midpoint of [fit, ceiling]. Each size is estimated after a step of `plan` at `fit` (the plan
+        the run is at), or after its own first step with `start` (see the module's docstring)."""
         config = config_of(plan)
         if length != self.length or self.estimator is None:
             return None
         if config in self.guessed and self.guessed[config] >= ceiling:
-            return None  # a size at or below the last guess failed: bisect from here on
+            return None  # a size at or below the last guess failed, unlearned from: bisect
         top = min(ceiling - 1, self.rows)
 
         def fits(m: int) -> bool | None:
@@ -155,5 +219,7 @@ class Guide:
             if verdict is None:
                 return None
             lo, hi = (mid, hi) if verdict else (lo, mid)
+        if config in self.failures:  # estimates proven wrong here: never above the blind search's size
+            lo = min(lo, (fit + ceiling) // 2)
         self.guessed[config] = lo
         return lo

@@ -28,7 +28,7 @@ EVERY = None  # a length not given: a record or a question about every length
 
 class Unguided:
     """The upward search without estimates (`autofit.estimator.guide.Guide`'s interface): no guess,
-    so `SizeLog.probe_up` bisects; nothing learned from a good attempt."""
+    so `SizeLog.probe_up` bisects; nothing learned from a good attempt or a failed one."""
 
     measured = None
     calibration = 1.0
@@ -36,8 +36,14 @@ class Unguided:
     def largest(self, plan: Plan, fit: int, ceiling: int, length=None) -> None:
         return None
 
-    def observe(self, plan: Plan, peak: int, length) -> None:
+    def observe(self, plan: Plan, peak: int, length, first: bool = False) -> None:
         pass
+
+    def failed(self, plan: Plan, length, reached: int | None = None) -> None:
+        pass
+
+    def rules_out(self, plan: Plan, length=None) -> bool:
+        return False
 
 
 @dataclass
@@ -88,6 +94,17 @@ class SizeLog:
             del fails[at]
             if not fails:
                 self.fails.pop(config_of(plan), None)
+
+    def forget_fit(self, plan: Plan, length=None) -> None:
+        """Forget that `plan`'s size (or a larger one) fitted its configuration at `length` or
+        longer, without recording a failure."""
+        length = self.length if length is None else length
+        at = 0 if length is EVERY else length
+        fits = self.fits.get(config_of(plan), {})
+        for seen in [l for l, s in fits.items() if l >= at and s >= plan.micro_batch_size]:
+            del fits[seen]
+        if not fits:
+            self.fits.pop(config_of(plan), None)
 
     def settle(self, plan: Plan, length=None) -> None:
         """`plan`'s micro-batch is the largest that fits its configuration at `length`: no probe
