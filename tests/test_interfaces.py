@@ -42,7 +42,7 @@ def test_the_protocols_name_what_the_engine_reads():
     assert members(interfaces.Runner) == [
         "abandon", "atomic", "attempt_peak", "before_backward", "close", "device", "distributed", "grad_norm",
         "kept", "model", "not_applicable", "optimizer", "phase", "phase_steers_ladder", "run"]
-    assert members(interfaces.Guide) == ["failed", "largest", "measured", "observe", "rules_out"]
+    assert members(interfaces.Guide) == ["failed", "largest", "measured", "observe"]
 
 
 def test_runners_devices_guides_and_locksteps_meet_their_protocols():

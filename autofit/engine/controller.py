@@ -38,7 +38,6 @@ log = logging.getLogger("autofit")
 # each time it comes back), so one bad moment (fragmentation, another process) is not a verdict
 # for the rest of the run: the micro-batch search probes above it again. See README, "The ladder".
 EXPIRE_AFTER = 100
-RULED_OUT = "the estimate, calibrated by this run's out-of-memory attempts, says it does not fit"
 
 
 def reached(memory: dict, text: str) -> int | None:
@@ -286,11 +285,6 @@ class Controller:
 
     def _step_down(self, plan: Plan, global_batch: int, text: str, where: str = "") -> None:
         fallback, self._fallback = self._fallback, None
-        if fallback is not None and self._rules_out(fallback):
-            self._ruled_out([fallback], global_batch)
-            if not self.quiet:
-                log.info("not back to %s: %s", fallback.describe(), RULED_OUT)
-            fallback = None
         if fallback is not None and not self.sizes.known_to_fail(fallback):
             new, why = fallback, "back to the largest micro-batch known to fit"
         else:
@@ -310,43 +304,10 @@ class Controller:
         """The next plan down: the moves for the phase that failed first (where the runner's phases
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if self.runner.phase_steers_ladder else ""
-        length, ruled = self.sizes.length, []
-
-        def failed(p: Plan) -> bool:
-            if self.sizes.known_to_fail(p):
-                return True
-            if self._rules_out(p):
-                ruled.append(p)
-                return True
-            return False
-
-        def walk(failed):
-            return next_down(self.ladder, plan, global_batch, phase=phase, not_applicable=self._not_applicable,
-                             failed=failed, said=self._said, quiet=self.quiet)
-        taken = walk(failed)
-        if taken is None:  # the estimate rules out every plan left: the ladder's own next step
-            taken = walk(self.sizes.known_to_fail)
-            return taken if taken is not None else (None, "")
-        if ruled:
-            self._ruled_out(ruled, global_batch)
-            taken = (taken[0], f"{taken[1]}; past {', '.join(p.describe() for p in ruled)}: "
-                               f"{RULED_OUT}")
-        return taken
-
-    def _rules_out(self, plan: Plan) -> bool:
-        """The calibrated estimate says `plan` does not fit, and no step after the run's first proved
-        it does (a proof beats an estimate)."""
-        proven = self.proven.fit(plan, self.sizes.length)
-        return (proven is None or proven < plan.micro_batch_size) and \
-            self.guide.rules_out(plan, self.sizes.length)
-
-    def _ruled_out(self, plans, global_batch: int) -> None:
-        """Plans the step-down walked past on the calibrated estimate's word are no longer taken as
-        fitting (what fitted the run's first step, before the optimizer state), so the next batch
-        does not go back to them; they are not failures either: the ladder is never exhausted on an
-        estimate's word, and the search may probe them again."""
-        for p in plans:
-            self.sizes.forget_fit(p.with_micro_batch(p.micro_batch_size, global_batch))
+        taken = next_down(self.ladder, plan, global_batch, phase=phase,
+                          not_applicable=self._not_applicable,
+                          failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
+        return taken if taken is not None else (None, "")
 
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:

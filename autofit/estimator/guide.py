@@ -19,8 +19,10 @@ The capacity check predicts which plans fit before the first step; a `Guide` kee
   configuration that failed, a guess is then at most the bisection's midpoint between what fitted
   and the failure: estimates proven wrong there only ever lower the blind search's next size.
   A failure the guide is not told of (one at or below its last guess) leaves the search to bisect.
-  The step-down after a failure walks past the plans the bound rules out (`rules_out`), the
-  capacity check's start plan failing on the run's first step included.
+  The capacity check's start plan failing on the run's first step teaches it too: the next
+  probe, from the ladder's step-down, guesses under the bound. (The step-down itself is the
+  ladder's: a bound learned at a large micro-batch is far too high for a small one where the
+  estimate's constant part, weights and optimizer state, dominates.)
 
 The rule between a bound and a factor: the calibration is the larger of the two, the factor in
 force when the attempt failed (this run's, else the cached one) having been proven too low. A later
@@ -167,15 +169,6 @@ class Guide:
         config = config_of(plan)
         self.failures.add(config)
         self.guessed.pop(config, None)  # learned from: guide again, under the bound
-
-    def rules_out(self, plan: Plan, length=None) -> bool:
-        """True when, after a failure this run learned from (a bound in force), the calibrated
-        estimate says `plan` does not fit a step after the run's last good one: the controller's
-        step-down walks past it as past a size known to fail."""
-        if self.bound is None or length != self.length or self.estimator is None:
-            return False
-        peak = self.predicted(plan, after=self.previous)
-        return peak is not None and peak * self.calibration > self.usable
 
     def start(self, plan: Plan, ceiling: int | None, length=None) -> Plan:
         """The plan a run starts with: `plan` at the largest micro-batch below `ceiling` (default: all

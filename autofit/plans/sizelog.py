@@ -42,9 +42,6 @@ class Unguided:
     def failed(self, plan: Plan, length, reached: int | None = None) -> None:
         pass
 
-    def rules_out(self, plan: Plan, length=None) -> bool:
-        return False
-
 
 @dataclass
 class SizeLog:
@@ -94,17 +91,6 @@ class SizeLog:
             del fails[at]
             if not fails:
                 self.fails.pop(config_of(plan), None)
-
-    def forget_fit(self, plan: Plan, length=None) -> None:
-        """Forget that `plan`'s size (or a larger one) fitted its configuration at `length` or
-        longer, without recording a failure."""
-        length = self.length if length is None else length
-        at = 0 if length is EVERY else length
-        fits = self.fits.get(config_of(plan), {})
-        for seen in [l for l, s in fits.items() if l >= at and s >= plan.micro_batch_size]:
-            del fits[seen]
-        if not fits:
-            self.fits.pop(config_of(plan), None)
 
     def settle(self, plan: Plan, length=None) -> None:
         """`plan`'s micro-batch is the largest that fits its configuration at `length`: no probe
