@@ -7,7 +7,8 @@ for shorter rows come with it.
 A cache that cannot be read or written never stops training: it is reported and skipped.
 
 Each entry also carries the calibration its run measured (measured peak / estimated peak, see
-`autofit.estimator.guide`) and which peak it compares ("reserved" or "allocated"). The factor is
+`autofit.estimator.guide`; raised to the lower bound an out-of-memory attempt proved when nothing
+was measured after it) and which peak it compares ("reserved" or "allocated"). The factor is
 about the model on the device, not about the job: `calibration` finds the newest one stored for the
 same model on the same device (same torch and autofit), whatever its batch, budget or optimizer.
 """
