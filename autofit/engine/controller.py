@@ -44,7 +44,7 @@ def reached(memory: dict, text: str) -> int | None:
     """Bytes a failed attempt is known to have needed at least: what it held when it failed (the
     breakdown's kinds) plus the allocation that failed, whose size the message gives to two
     decimals of its unit (taken at the low end of that rounding); None without a size."""
-    asked = requested(RuntimeError(text))
+    asked = requested(RuntimeError(text))  # (it reads an error's message; the outcome keeps the text)
     if asked is None:
         return None
     unit = next((u for u in (2**30, 2**20, 2**10) if asked >= u), 1)
