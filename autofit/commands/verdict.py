@@ -1,11 +1,14 @@
 """The probe's last line: one sentence saying what decides the plan and what the user could change.
 
-It reads the estimates `capacity.rank` made (fastest first) and the fine-tune the probe priced:
+It reads the estimates `capacity.rank` made (fastest first) and the fine-tune the probe priced
+(plans named as they run on its weights: `finetune.plan_text`):
 - the chosen plan offloads the optimizer state: the state's size against the card (plans that keep
   it on the card are not even estimated when the model's states alone exceed the budget);
 - the fastest plan fits: it says so, with the largest part of its peak;
 - the chosen plan is slower than the fastest (micro-batches, checkpointing, bf16): what the fastest
-  plan's peak is mostly made of at the moment it peaks, activations or the model's states;
+  plan's peak is mostly made of at the moment it peaks, activations or the model's states; for
+  activations, fewer rows (--batch-size), and shorter ones (--seq-len) only where --seq-len sets a
+  row's length: not for an image or a window of audio frames, whose size the model's config fixes;
 - no plan fits: what the smallest plan cannot lose (parameters, parameters and gradients, or
   activations).
 The options it suggests are the ones whose saving, worked out from the estimate's resident bytes
@@ -18,7 +21,7 @@ rerun with the option is the answer.
 
 from __future__ import annotations
 
-from autofit.commands.finetune import OPTIMIZER_NAMES
+from autofit.commands.finetune import OPTIMIZER_NAMES, plan_text
 from autofit.sizes import format_size
 
 # Optimizer state per trained parameter (fp32 weights), heaviest first: the suggestion is the
@@ -32,6 +35,9 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         return None
     usable = result["usable_bytes"]
     name = OPTIMIZER_NAMES[result["optimizer"]]
+
+    def words(candidate) -> str:  # the plan as it runs on the fine-tune's weights
+        return plan_text(candidate.plan, result["weights"])
     if chosen is not None and chosen.plan.offload_optimizer:
         state, states = _resident(chosen)["optimizer"], _model_states(chosen, with_state=False)
         if state > usable:
@@ -45,19 +51,18 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         return f"{what} offloads the state to host memory{_options(result, chosen, 'fit without offload')}."
     if chosen is candidates[0]:
         kind, size = _largest(chosen.estimate.breakdown)
-        return (f"The fastest plan fits: {chosen.plan.describe()} reserves {_s(_reserved(chosen))} of the "
+        return (f"The fastest plan fits: {words(chosen)} reserves {_s(_reserved(chosen))} of the "
                 f"{_s(usable)} usable, {kind} the largest part ({_s(size)}); nothing needs to change.")
     if chosen is not None:
         faster = next(c for c in candidates if not c.fits)  # the fastest plan, which did not fit
         activations = faster.estimate.breakdown.get("activations", 0)
         states = _model_states(faster, with_state=True)
         if activations >= states:
-            return (f"Activations decide the plan: {faster.plan.describe()} would hold {_s(activations)} of "
+            return (f"Activations decide the plan: {words(faster)} would hold {_s(activations)} of "
                     f"them and reserve {_s(_reserved(faster))} of the {_s(usable)} usable, so it runs "
-                    f"{chosen.plan.describe()}; a shorter --seq-len or a smaller --batch-size would let a "
-                    f"faster plan fit.")
+                    f"{words(chosen)}; {_fewer_activations(result['batch'])}.")
         return (f"The model's states decide the plan: parameters, gradients and {name} state take "
-                f"{_s(states)} of the {_s(usable)} usable, so it runs {chosen.plan.describe()}"
+                f"{_s(states)} of the {_s(usable)} usable, so it runs {words(chosen)}"
                 f"{_options(result, faster, 'let a faster plan fit')}.")
     smallest = min(candidates, key=_reserved)
     resident = _resident(smallest)
@@ -67,12 +72,23 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         what = (f"Parameters and gradients ({_s(resident['params'] + resident['grads'])}) exceed the "
                 f"{_s(usable)} usable even with the {name} state offloaded")
     else:
-        what = (f"Even the smallest plan ({smallest.plan.describe()}) reserves {_s(_reserved(smallest))} of "
+        what = (f"Even the smallest plan ({words(smallest)}) reserves {_s(_reserved(smallest))} of "
                 f"the {_s(usable)} usable, {_s(smallest.estimate.breakdown.get('activations', 0))} of it "
                 f"activations")
     # Options combined (LoRA on bf16 weights) may fit where none alone does: say only what was worked out.
     alone = "; by this breakdown no one change of --optimizer, --trainable or --weights fits"
     return f"{what}: no plan fits{_options(result, smallest, 'fit', fallback=alone)}."
+
+
+def _fewer_activations(batch: dict) -> str:
+    """What shrinks the activations, by the batch's kind: shorter rows only where --seq-len sets
+    their length (tokens), fewer rows always."""
+    if batch["row_length"] == "seq_len":
+        return "a shorter --seq-len or a smaller --batch-size would let a faster plan fit"
+    if batch["row_length"] == "config":
+        return (f"a smaller --batch-size would let a faster plan fit (--seq-len cannot shorten the rows: "
+                f"each is {batch['row']}, as the model's config sizes it)")
+    return "a smaller --batch-size would let a faster plan fit"
 
 
 def _options(result: dict, candidate, outcome: str, fallback: str = "") -> str:
