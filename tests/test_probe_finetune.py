@@ -301,10 +301,14 @@ def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
     assert verdict.sentence(result(600 * MiB), [smallest], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
-    # A checkpointed plan's activations say nothing of LoRA's: no LoRA suggestion from it.
+    # LoRA checkpoints as the full model does: a checkpointed plan is as good a guide.
     checkpointed = candidate(Plan(1, 8, checkpointing=True, offload_optimizer=True), False, params=400 * MiB,
                              grads=400 * MiB, state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
     assert verdict.sentence(result(600 * MiB), [checkpointed], None) == (
+        "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
+        "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
+    # Not from a LoRA fine-tune itself (its gradients are the adapters' already).
+    assert verdict.sentence(result(600 * MiB, trainable="lora"), [checkpointed], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown no one change of --optimizer, --trainable or --weights "
         "fits.")
@@ -389,3 +393,28 @@ def test_lora_plans_with_checkpointing_are_priced(capsys):
         (4, "fp32", False, False, 32, True, False)]
     # rank-4 adapters on each block's four Conv1D layers (peft's all-linear leaves the output layer)
     assert got["trained_parameters"] == 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64)) == 8192
+
+
+def test_verify_trains_the_fine_tune_the_probe_priced(capsys, monkeypatch):
+    """--verify on a CUDA machine; here autofit.run gets a simulated card of the budget's size."""
+    import autofit
+    real_run, calls = autofit.run, []
+
+    def run_on_a_simulated_card(model, data, *, budget, optimizer, **kwargs):
+        calls.append(({n for n, p in model.named_parameters() if p.requires_grad},
+                      {p.dtype for p in model.parameters()}, data[0]["input_ids"].dtype, optimizer.func,
+                      optimizer.keywords))
+        with autofit.simulate_gpu(budget):
+            return real_run(model, data, optimizer=optimizer, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
+    code = main(["probe", "--gpu-mem", "68MiB", "--context-reserve", "0", "--verify", "--model", "tiny-bert",
+                 "--batch-size", "8", "--seq-len", "16", "--trainable", "frozen-base", "--weights", "bf16",
+                 "--optimizer", "sgd-momentum"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    # the head alone trained, on bf16 weights, by SGD with momentum: what the prediction priced
+    assert calls == [({"classifier.weight", "classifier.bias"}, {torch.bfloat16}, torch.int64, torch.optim.SGD,
+                      {"lr": 1e-3, "momentum": 0.9})]
+    assert out.splitlines()[-1].startswith("verified plan: micro 8 x 1, bf16 weights, measured peak ")
