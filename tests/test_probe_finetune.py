@@ -263,8 +263,8 @@ def test_verdict_when_activations_decide():
     assert verdict.sentence(result(1 * GiB, batch=frames), [whole, split], split) == (
         "Activations decide the plan: micro 32 x 1, fp32 would hold 2.00 GiB of them and reserve 2.54 GiB "
         "of the 1.00 GiB usable, so it runs micro 8 x 4, fp32, checkpointing; a smaller --batch-size would "
-        "let a faster plan fit (--seq-len cannot shorten the rows: each is 3000 frames of 80 mel bins, as "
-        "the model's config sizes it).")
+        "let a faster plan fit (the model's config, not --seq-len, sizes each row's main input: 3000 frames "
+        "of 80 mel bins).")
     # A batch of no known kind (module:function): fewer rows, nothing said of their length.
     unknown = {"main_input": None, "row": None, "row_length": None}
     assert verdict.sentence(result(1 * GiB, batch=unknown), [whole, split], split).endswith(

@@ -86,8 +86,8 @@ def _fewer_activations(batch: dict) -> str:
     if batch["row_length"] == "seq_len":
         return "a shorter --seq-len or a smaller --batch-size would let a faster plan fit"
     if batch["row_length"] == "config":
-        return (f"a smaller --batch-size would let a faster plan fit (--seq-len cannot shorten the rows: "
-                f"each is {batch['row']}, as the model's config sizes it)")
+        return (f"a smaller --batch-size would let a faster plan fit (the model's config, not --seq-len, "
+                f"sizes each row's main input: {batch['row']})")
     return "a smaller --batch-size would let a faster plan fit"
 
 
