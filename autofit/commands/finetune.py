@@ -80,7 +80,8 @@ def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     except ImportError:
         raise UsageError("--trainable lora needs peft: pip install peft.") from None
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
         return get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear"))
 
@@ -139,6 +140,7 @@ def precision_text(precision: str, weights: str) -> str:
 def plan_text(plan, weights: str) -> str:
     """`plan.describe()` with its precision as `precision_text` says it."""
     from autofit.plans import switches
-    parts = [f"micro {plan.micro_batch_size} x {plan.accumulation_steps}", precision_text(plan.precision, weights)]
+    parts = [f"micro {plan.micro_batch_size} x {plan.accumulation_steps}",
+             precision_text(plan.precision, weights)]
     parts += [w for s in switches.SWITCHES if (w := s.label(getattr(plan, s.name))) is not None]
     return ", ".join(parts)

@@ -161,7 +161,8 @@ def _probe_report(args, result: dict, shown) -> int:
         out("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
              "whole batch):")
         rows = [["*" if r["chosen"] else "", r["micro_batch_size"], r["accumulation_steps"],
-                 finetune.precision_text(r["precision"], result["weights"]), r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
+                 finetune.precision_text(r["precision"], result["weights"]), r["checkpointing"],
+                 r["offload_optimizer"], f"{r['cost']:.2f}",
                  format_size(r["peak_bytes"]), format_size(r["reserved_bytes"]), r["fits"]]
                 for r in result["table"]]
         # The plan's fields this table shows, named as its columns are (not the registry's words).
@@ -213,6 +214,7 @@ def _verify(args, budget: int, chosen) -> int:
         return EXIT_DOES_NOT_FIT
     attempts_table(result.attempts)
     peak = max((a.peak_bytes for a in result.attempts if a.outcome == "ok"), default=0)
-    out(f"verified plan: {finetune.plan_text(result.plan, args.weights)}, measured peak {format_size(peak)} "
-        f"(predicted {format_size(chosen.estimate.peak_bytes)} for {finetune.plan_text(chosen.plan, args.weights)})")
+    ran, predicted = (finetune.plan_text(p, args.weights) for p in (result.plan, chosen.plan))
+    out(f"verified plan: {ran}, measured peak {format_size(peak)} "
+        f"(predicted {format_size(chosen.estimate.peak_bytes)} for {predicted})")
     return EXIT_OK

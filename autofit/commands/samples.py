@@ -15,7 +15,7 @@ token (token classification), or target token ids [batch, seq] with the `decoder
 shift to (sequence-to-sequence: the decoder's inputs are the labels shifted right behind the
 decoder start token). A size the config lacks is read from its sub-configs (CLIP's vision_config).
 
-`describe(batch, config)` names what a batch is, by its main input's kind, for the probe's header:
+`describe(batch, model)` names what a batch is, by its main input's kind, for the probe's header:
 "32 x 128 tokens", "32 images of 3 x 224 x 224", "8 x 3000 frames of 80 mel bins", with ", 8 x 128
 target tokens" for a sequence-to-sequence batch, and where each row's length comes from: --seq-len
 (tokens, raw samples, features without an encoder window) or the model's config (an image's size,

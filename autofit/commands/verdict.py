@@ -14,9 +14,8 @@ It reads the estimates `capacity.rank` made (fastest first) and the fine-tune th
 The options it suggests are the ones whose saving, worked out from the estimate's resident bytes
 (parameters, gradients, optimizer state), brings the peak within the usable bytes: another
 optimizer's state by its bytes per trained parameter, LoRA dropping the base's gradients and state,
-bf16 weights halving parameters, gradients and state. That
-arithmetic leaves the activations as they were, so the sentence says "by this breakdown": the probe
-rerun with the option is the answer.
+bf16 weights halving parameters, gradients and state. That arithmetic leaves the activations as they
+were, so the sentence says "by this breakdown": the probe rerun with the option is the answer.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Hugging Face models use their own switch (non-reentrant, so it composes with aut
 inputs), and so does a wrapper of one that adds no parameters of its own (peft's PeftModel: its
 adapters live inside the wrapped model's layers), as peft users switch it on the wrapped model:
 wrapping its blocks from outside would recompute them with the key/value cache on, which the
-recompute appends to a second time. Other models get the blocks of their largest ModuleList/Sequential wrapped: each block's
-forward is recomputed in backward by `torch.utils.checkpoint`.
+recompute appends to a second time. Other models get the blocks of their largest
+ModuleList/Sequential wrapped: each block's forward is recomputed in backward by
+`torch.utils.checkpoint`.
 
 A recompute runs a forward a second time, and a batch-coupled layer's forward writes its running
 statistics. A block's recompute runs inside a context that copies its coupled layers' buffers before
