@@ -25,6 +25,7 @@ import time
 from common import print_environment, setup, table
 
 from autofit.cli import main  # noqa: E402
+from autofit.commands.finetune import precision_text  # noqa: E402
 from autofit.sizes import format_size  # noqa: E402
 
 _LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
@@ -81,8 +82,9 @@ def plan_text(result: dict) -> str:
     plan = result["plan"]
     if plan is None:
         return "none fits"
-    moves = [plan["precision"]] + [name for name, on in (("ckpt", plan["checkpointing"]),
-                                                          ("offload", plan["offload_optimizer"])) if on]
+    # the precision as the step runs it: the autocast on fp32 weights, "bf16 weights" on bf16 ones
+    switched = (("ckpt", plan["checkpointing"]), ("offload", plan["offload_optimizer"]))
+    moves = [precision_text(plan["precision"], result["weights"])] + [name for name, on in switched if on]
     return f"{plan['micro_batch_size']} x {plan['accumulation_steps']}, {', '.join(moves)}"
 
 

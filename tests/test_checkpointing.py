@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from autofit.engine.checkpointing import Checkpointing, largest_block_list
+from autofit.integrations import transformers_internals as hf_internals
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 
@@ -206,3 +207,87 @@ def test_hugging_face_model_that_came_with_checkpointing_on_gets_it_back(tiny_be
     assert not model.is_activation_checkpointing
     ck.restore()
     assert model.is_activation_checkpointing
+
+
+# -- a wrapper of a Hugging Face model (peft's LoRA) ---------------------------------------------
+
+def lora(model, seed=3):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)  # LoRA's A matrices are drawn at random
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                      fan_in_fan_out=True))
+
+
+def test_a_lora_wrapper_uses_the_wrapped_models_switch():
+    model = lora(tiny_gpt2()).train()
+    inner = model.get_base_model()
+    reference = grads_of(model, gpt2_loss)
+    assert set(reference) == {n for n, p in model.named_parameters() if p.requires_grad} and all(
+        "lora_" in n for n in reference)
+    ck = Checkpointing(model)
+    # PeftModel is no transformers class: its model's switch, not wrapped blocks from outside
+    assert (ck.hf, ck.initial, ck.blocks, ck.available) == (True, False, None, True)
+    calls = []
+    inner.transformer.h[0].attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    ck.set(True)
+    assert inner.is_activation_checkpointing
+    calls.clear()
+    grads = grads_of(model, gpt2_loss)
+    assert len(calls) == 2                          # recomputed in backward
+    assert grads.keys() == reference.keys()
+    assert all(torch.equal(grads[n], reference[n]) for n in grads)
+    ck.restore()
+    assert not inner.is_activation_checkpointing and not ck.on
+    assert hf_internals.require_grads_hooks(inner) == []  # the input hooks the switch made are gone
+
+
+def test_blocks_wrapped_from_outside_a_cached_decoder_fail_where_its_switch_does_not():
+    # Why the wrapper's model is switched: torch's checkpoint around GPT-2's blocks recomputes them with
+    # the key/value cache on, and the recompute appends the keys a second time: 16 keys against a
+    # padded row's mask of 8.
+    batch = gpt2_batch(rows=4, seq=8)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][0, -2:] = 0
+    model = lora(tiny_gpt2()).train()
+    Checkpointing(model.get_base_model().transformer.h).set(True)  # a ModuleList: wrapped from outside
+    with pytest.raises(RuntimeError, match=re.escape("The size of tensor a (16) must match the size of "
+                                                     "tensor b (8) at non-singleton dimension 3")):
+        model(**batch).loss.backward()
+    model = lora(tiny_gpt2()).train()
+    Checkpointing(model).set(True)
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_a_wrapper_with_parameters_of_its_own_has_its_blocks_wrapped():
+    class Headed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = tiny_bert().bert
+            self.head = torch.nn.Linear(32, 1)
+
+        def forward(self, input_ids):
+            return self.head(self.bert(input_ids=input_ids).last_hidden_state).mean()
+
+    model = Headed()
+    ck = Checkpointing(model)
+    assert (ck.hf, ck.blocks) == (False, model.bert.encoder.layer)
+
+
+def test_a_lora_run_steps_down_to_checkpointing_with_the_plain_loops_parameters():
+    import autofit
+    from autofit.plans.ladder import checkpointing
+    from reference import lm_batches, plain_loop
+    batches = lm_batches(2, rows=4, seq=8)
+    model = lora(tiny_gpt2())
+    with autofit.simulate_gpu() as gpu:
+        gpu.fail_at(gpu.allocation_count)  # the first plan's first allocation: checkpointing is next
+        result = autofit.run(model, batches, precision="fp32", progress=False, ladder=checkpointing())
+    assert [(a.step, a.plan.checkpointing, a.outcome) for a in result.attempts] == [
+        (0, False, "oom"), (0, True, "ok"), (1, True, "ok")]
+    reference = lora(tiny_gpt2())
+    plain_loop(reference, batches, [4, 4], tokens=True,
+               optimizer=torch.optim.AdamW(p for p in reference.parameters() if p.requires_grad))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert not model.get_base_model().is_activation_checkpointing  # handed back as it came

@@ -135,13 +135,13 @@ def probe_json(capsys, *argv):
 
 PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpointing", "offload_optimizer",
                "per_parameter_step", "reshard_after_forward", "reduce_each_micro_batch"]
-ROW_FIELDS = PLAN_FIELDS + ["peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
+ROW_FIELDS = PLAN_FIELDS + ["compute_dtype", "peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "trainable", "trained_parameters", "optimizer", "weights",
-               "batch_size", "seq_len", "precision", "gpu_mem_bytes",
+               "batch_size", "seq_len", "batch", "precision", "gpu_mem_bytes",
                "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_reserve_bytes",
-               "usable_bytes", "fits", "plan", "predicted_peak_bytes", "predicted_reserved_bytes", "table",
-               "breakdown", "host_optimizer_bytes", "reason", "verdict"]
+               "usable_bytes", "fits", "plan", "compute_dtype", "predicted_peak_bytes", "predicted_reserved_bytes",
+               "table", "breakdown", "host_optimizer_bytes", "reason", "verdict"]
 
 
 def test_probe_json_fits(capsys):
@@ -157,6 +157,9 @@ def test_probe_json_fits(capsys):
     assert (got["model"], got["model_class"], got["parameters"]) == ("tiny-bert",
                                                                      "BertForSequenceClassification", 168258)
     assert (got["batch_size"], got["seq_len"], got["precision"]) == (8, 16, "auto")
+    assert got["batch"] == {"main_input": "input_ids", "shapes": {"input_ids": [8, 16], "attention_mask": [8, 16],
+                                                                  "labels": [8]},
+                            "text": "8 x 16 tokens", "row": "16 tokens", "row_length": "seq_len"}
     assert (got["trainable"], got["trained_parameters"], got["optimizer"], got["weights"]) == (
         "full", 168258, "adamw", "fp32")
     assert got["fits"] is True and got["reason"] is None
@@ -168,6 +171,7 @@ def test_probe_json_fits(capsys):
     chosen = [r for r in rows if r["chosen"]]
     assert len(chosen) == 1 and chosen[0]["fits"] is True
     assert {k: chosen[0][k] for k in PLAN_FIELDS} == got["plan"]
+    assert chosen[0]["compute_dtype"] == got["compute_dtype"] == got["plan"]["precision"]  # fp32 weights
     assert chosen[0]["peak_bytes"] == got["predicted_peak_bytes"]
     # The reserved peak decides, and it is the allocated peak in whole 2 MiB segments (tiny-bert's
     # tensors are small-pool requests).
@@ -439,7 +443,7 @@ def test_probe_verify_trains_real_steps_under_the_budget(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert calls == [("BertForSequenceClassification", {"cpu"}, 3, 68 * 2**20,
-                      {"precision": "auto", "progress": False, "cache": False})]
+                      {"precision": "auto", "optimizer": torch.optim.AdamW, "progress": False, "cache": False})]
     lines = out.splitlines()
     start = lines.index("verifying: 3 real steps on CUDA under a 68.00 MiB budget")
     assert lines[start + 1].split() == ["step", "plan", "outcome", "peak", "reason"]

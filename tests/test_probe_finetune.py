@@ -3,6 +3,7 @@ model's inputs), bitsandbytes' 8-bit AdamW, and the verdict sentence that ends t
 
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -88,16 +89,51 @@ def test_whisper_config_builds_speech_seq2seq_with_input_features(tmp_path):
     assert torch.isfinite(model(**batch).loss)
 
 
-@pytest.mark.parametrize("build, cls", [(vit, "ViTForImageClassification"), (t5, "T5ForConditionalGeneration"),
-                                        (whisper, "WhisperForConditionalGeneration")])
-def test_probe_plans_each_config(capsys, tmp_path, build, cls):
+# The header names what a row is, by the main input's kind: only tokens are sized by --seq-len.
+CONFIGS = [
+    (vit, "ViTForImageClassification", "2 images of 3 x 32 x 32",
+     {"main_input": "pixel_values", "shapes": {"pixel_values": [2, 3, 32, 32], "labels": [2]},
+      "text": "2 images of 3 x 32 x 32", "row": "an image of 3 x 32 x 32", "row_length": "config"}),
+    (t5, "T5ForConditionalGeneration", "2 x 8 tokens, 2 x 8 target tokens",
+     {"main_input": "input_ids", "shapes": {"input_ids": [2, 8], "attention_mask": [2, 8],
+                                            "decoder_input_ids": [2, 8], "labels": [2, 8]},
+      "text": "2 x 8 tokens, 2 x 8 target tokens", "row": "8 tokens", "row_length": "seq_len"}),
+    (whisper, "WhisperForConditionalGeneration", "2 x 32 frames of 8 mel bins, 2 x 8 target tokens",
+     {"main_input": "input_features", "shapes": {"input_features": [2, 8, 32], "decoder_input_ids": [2, 8],
+                                                 "labels": [2, 8]},
+      "text": "2 x 32 frames of 8 mel bins, 2 x 8 target tokens", "row": "32 frames of 8 mel bins",
+      "row_length": "config"}),
+]
+
+
+@pytest.mark.parametrize("build, cls, header, described", CONFIGS, ids=["vit", "t5", "whisper"])
+def test_probe_plans_each_config(capsys, tmp_path, build, cls, header, described):
     assert main(["probe", "--gpu-mem", "1GiB", "--model", build(tmp_path), *SMALL]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0].startswith(f"model            {tmp_path / build.__name__} ({cls}, ")
+    assert lines[2] == f"global batch     {header}"
     assert "chosen plan: micro 2 x 1, fp32" in lines  # plenty of room: the whole batch at once
     assert lines[-1].startswith("The fastest plan fits: micro 2 x 1, fp32 reserves 2.00 MiB of the 550.40 MiB usable")
     assert err == ""
+    assert main(["probe", "--gpu-mem", "1GiB", "--model", str(tmp_path / build.__name__), *SMALL, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["batch"] == described
+    assert [r["compute_dtype"] for r in got["table"]] == ["fp32"] and got["compute_dtype"] == "fp32"
+
+
+def test_a_batch_of_no_known_kind_is_named_by_its_shapes():
+    import torch
+    from autofit.commands import samples
+    assert samples.describe((torch.zeros(4, 3), torch.zeros(4)), None) == {
+        "main_input": None, "shapes": {"0": [4, 3], "1": [4]}, "text": "4 rows: 0[4, 3], 1[4]", "row": None,
+        "row_length": None}
+    # features without an encoder window in the config are as long as --seq-len makes them
+    config = types.SimpleNamespace(input_feat_per_channel=8, input_channels=1)
+    model = types.SimpleNamespace(config=config, main_input_name="input_features")
+    assert samples.describe({"input_features": torch.zeros(2, 16, 8)}, model) == {
+        "main_input": "input_features", "shapes": {"input_features": [2, 16, 8]},
+        "text": "2 x 16 frames of 8 features", "row": "16 frames of 8 features", "row_length": "seq_len"}
 
 
 def test_probe_feeds_float_inputs_in_the_weights_dtype(capsys, tmp_path):
@@ -181,9 +217,12 @@ def candidate(plan, fits, *, params, grads, state, activations, reserved, cost=1
     return Candidate(plan, estimate, fits, cost)
 
 
-def result(usable, optimizer="adamw", trainable="full", weights="fp32", trained=0):
+TOKENS = {"main_input": "input_ids", "row": "128 tokens", "row_length": "seq_len"}
+
+
+def result(usable, optimizer="adamw", trainable="full", weights="fp32", trained=0, batch=TOKENS):
     return {"usable_bytes": usable, "optimizer": optimizer, "trainable": trainable, "weights": weights,
-            "trained_parameters": trained}
+            "trained_parameters": trained, "batch": batch}
 
 
 def test_verdict_when_the_optimizer_state_alone_exceeds_the_card():
@@ -219,6 +258,22 @@ def test_verdict_when_activations_decide():
         "Activations decide the plan: micro 32 x 1, fp32 would hold 2.00 GiB of them and reserve 2.54 GiB "
         "of the 1.00 GiB usable, so it runs micro 8 x 4, fp32, checkpointing; a shorter --seq-len or a "
         "smaller --batch-size would let a faster plan fit.")
+    # Rows the model's config sizes (an image, an encoder's window of frames): --seq-len is no advice.
+    frames = {"main_input": "input_features", "row": "3000 frames of 80 mel bins", "row_length": "config"}
+    assert verdict.sentence(result(1 * GiB, batch=frames), [whole, split], split) == (
+        "Activations decide the plan: micro 32 x 1, fp32 would hold 2.00 GiB of them and reserve 2.54 GiB "
+        "of the 1.00 GiB usable, so it runs micro 8 x 4, fp32, checkpointing; a smaller --batch-size would "
+        "let a faster plan fit (the model's config, not --seq-len, sizes each row's main input: 3000 frames "
+        "of 80 mel bins).")
+    # A batch of no known kind (module:function): fewer rows, nothing said of their length.
+    unknown = {"main_input": None, "row": None, "row_length": None}
+    assert verdict.sentence(result(1 * GiB, batch=unknown), [whole, split], split).endswith(
+        "so it runs micro 8 x 4, fp32, checkpointing; a smaller --batch-size would let a faster plan fit.")
+    # On bf16 weights a plan without autocast computes in bf16, and says so.
+    assert verdict.sentence(result(1 * GiB, weights="bf16"), [whole, split], split) == (
+        "Activations decide the plan: micro 32 x 1, bf16 weights would hold 2.00 GiB of them and reserve "
+        "2.54 GiB of the 1.00 GiB usable, so it runs micro 8 x 4, bf16 weights, checkpointing; a shorter "
+        "--seq-len or a smaller --batch-size would let a faster plan fit.")
 
 
 def test_verdict_when_the_fastest_plan_fits():
@@ -246,10 +301,14 @@ def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
     assert verdict.sentence(result(600 * MiB), [smallest], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
-    # A checkpointed plan's activations say nothing of LoRA's: no LoRA suggestion from it.
+    # LoRA checkpoints as the full model does: a checkpointed plan is as good a guide.
     checkpointed = candidate(Plan(1, 8, checkpointing=True, offload_optimizer=True), False, params=400 * MiB,
                              grads=400 * MiB, state=800 * MiB, activations=10 * MiB, reserved=820 * MiB)
     assert verdict.sentence(result(600 * MiB), [checkpointed], None) == (
+        "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
+        "offloaded: no plan fits; by this breakdown, --trainable lora would fit.")
+    # Not from a LoRA fine-tune itself (its gradients are the adapters' already).
+    assert verdict.sentence(result(600 * MiB, trainable="lora"), [checkpointed], None) == (
         "Parameters and gradients (800.00 MiB) exceed the 600.00 MiB usable even with the AdamW state "
         "offloaded: no plan fits; by this breakdown no one change of --optimizer, --trainable or --weights "
         "fits.")
@@ -276,3 +335,86 @@ def test_a_config_with_no_class_the_probe_trains_is_refused(tmp_path):
         "CLIPVisionModel); the probe trains the classes of CAUSAL_LM, MASKED_LM, SEQ_TO_SEQ_CAUSAL_LM, "
         "SPEECH_SEQ_2_SEQ, SEQUENCE_CLASSIFICATION, IMAGE_CLASSIFICATION, AUDIO_CLASSIFICATION, "
         "TOKEN_CLASSIFICATION: name one in the config's \"architectures\" or use module:function.")
+
+
+# -- what a plan runs in on bf16 weights -------------------------------------------------------------
+
+def test_plans_on_bf16_weights_say_they_run_in_bf16(capsys, monkeypatch):
+    """A plan's precision is its autocast; on bf16 weights one without autocast computes in bf16."""
+    from autofit.estimator import capacity
+    ranked = [candidate(Plan(8, 1), False, **SMALL_STATES, activations=600 * MiB, reserved=1000 * MiB),
+              candidate(Plan(8, 1, "bf16"), False, **SMALL_STATES, activations=500 * MiB, reserved=900 * MiB,
+                        cost=1.15),
+              candidate(Plan(8, 1, checkpointing=True), True, **SMALL_STATES, activations=100 * MiB,
+                        reserved=500 * MiB, cost=1.33)]
+    monkeypatch.setattr(capacity, "rank", lambda *args, **kwargs: ranked)
+    argv = ["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", "--batch-size", "8", "--seq-len", "16",
+            "--weights", "bf16"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "fine-tune        the whole model, AdamW, bf16 weights (0.17M trained parameters)"
+    assert lines[8:15] == [
+        "   micro  accum  precision                    checkpointing  offload  time  allocated peak  reserved peak  fits",
+        "-  -----  -----  ---------------------------  -------------  -------  ----  --------------  -------------  ----",
+        "       8      1  bf16 weights                 no             no       1.00     1000.00 MiB    1000.00 MiB  no",
+        "       8      1  bf16 weights, bf16 autocast  no             no       1.15      900.00 MiB     900.00 MiB  no",
+        "*      8      1  bf16 weights                 yes            no       1.33      500.00 MiB     500.00 MiB  yes",
+        "",
+        "chosen plan: micro 8 x 1, bf16 weights, checkpointing",
+    ]
+    assert lines[-1] == (
+        "Activations decide the plan: micro 8 x 1, bf16 weights would hold 600.00 MiB of them and reserve "
+        "1000.00 MiB of the 550.40 MiB usable, so it runs micro 8 x 1, bf16 weights, checkpointing; a shorter "
+        "--seq-len or a smaller --batch-size would let a faster plan fit.")
+    assert main(argv + ["--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # the plan's fields keep their meaning (precision: the autocast); compute_dtype says what runs
+    assert [(r["precision"], r["compute_dtype"]) for r in got["table"]] == [
+        ("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "bf16")]
+    assert (got["plan"]["precision"], got["compute_dtype"], got["weights"]) == ("fp32", "bf16", "bf16")
+
+
+# -- LoRA with checkpointing -----------------------------------------------------------------------
+
+@pytest.mark.slow  # four estimates of a LoRA model, peft imported: ~7 s
+def test_lora_plans_with_checkpointing_are_priced(capsys):
+    pytest.importorskip("peft")
+    # 32 MiB usable: the whole batch fits only with its blocks recomputed (or at half the rows)
+    code = main(["probe", "--gpu-mem", "96MiB", "--context-reserve", "0", "--model", "tiny-gpt2", "--batch-size",
+                 "8", "--seq-len", "128", "--trainable", "lora", "--lora-rank", "4", "--json"])
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert code == 0 and err == ""  # no plan left out, none of peft's notes
+    assert [(r["micro_batch_size"], r["precision"], r["checkpointing"], r["offload_optimizer"],
+             r["reserved_bytes"] // MiB, r["fits"], r["chosen"]) for r in got["table"]] == [
+        (8, "fp32", False, False, 40, False, False),
+        (8, "bf16", False, False, 38, False, False),
+        (8, "fp32", True, False, 32, True, True),
+        (4, "fp32", False, False, 32, True, False)]
+    # rank-4 adapters on each block's four Conv1D layers (peft's all-linear leaves the output layer)
+    assert got["trained_parameters"] == 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64)) == 8192
+
+
+def test_verify_trains_the_fine_tune_the_probe_priced(capsys, monkeypatch):
+    """--verify on a CUDA machine; here autofit.run gets a simulated card of the budget's size."""
+    import autofit
+    real_run, calls = autofit.run, []
+
+    def run_on_a_simulated_card(model, data, *, budget, optimizer, **kwargs):
+        calls.append(({n for n, p in model.named_parameters() if p.requires_grad},
+                      {p.dtype for p in model.parameters()}, data[0]["input_ids"].dtype, optimizer.func,
+                      optimizer.keywords))
+        with autofit.simulate_gpu(budget):
+            return real_run(model, data, optimizer=optimizer, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
+    code = main(["probe", "--gpu-mem", "68MiB", "--context-reserve", "0", "--verify", "--model", "tiny-bert",
+                 "--batch-size", "8", "--seq-len", "16", "--trainable", "frozen-base", "--weights", "bf16",
+                 "--optimizer", "sgd-momentum"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    # the head alone trained, on bf16 weights, by SGD with momentum: what the prediction priced
+    assert calls == [({"classifier.weight", "classifier.bias"}, {torch.bfloat16}, torch.int64, torch.optim.SGD,
+                      {"lr": 1e-3, "momentum": 0.9})]
+    assert out.splitlines()[-1].startswith("verified plan: micro 8 x 1, bf16 weights, measured peak ")

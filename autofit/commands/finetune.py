@@ -8,12 +8,18 @@ under 4096 values, as bitsandbytes' Optimizer2State.init_state allocates them); 
 only the task head; LoRA (peft, when installed) trains rank-r adapters on every linear layer; bf16
 weights halve the parameters and their gradients (the step then runs in bf16 whatever the plan's
 autocast).
+
+What a plan computes in is the weights' dtype and the plan's autocast together: `compute_dtype` and
+`precision_text` say it ("bf16 weights" for a plan without autocast on bf16 weights, "bf16 weights,
+bf16 autocast" with it), and `plan_text` is `Plan.describe` in those words.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import warnings
 
 import torch
 
@@ -42,19 +48,42 @@ def optimizer_factory(name: str):
     raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} but got {name!r}.")
 
 
-def _bitsandbytes():
-    """bitsandbytes, imported without its CPU backend's warning about 4-bit kernels (the 8-bit
-    optimizers do not use them, and the warning would land in the probe's output)."""
+@contextlib.contextmanager
+def _quiet_bitsandbytes():
+    """bitsandbytes' CPU backend warns at import about 4-bit kernels, which neither the 8-bit
+    optimizers nor LoRA use: the warning would land in the probe's output."""
     quiet = logging.getLogger("bitsandbytes")
     before = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
-    except ImportError:
-        raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes.") from None
+        yield
     finally:
         quiet.setLevel(before)
+
+
+def _bitsandbytes():
+    try:
+        with _quiet_bitsandbytes():
+            import bitsandbytes
+    except ImportError:
+        raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes.") from None
     return bitsandbytes
+
+
+def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """peft's LoRA on every linear layer, without the notes peft makes on the way (it imports
+    bitsandbytes where installed; it reads transformers' deprecated `is_gradient_checkpointing`; it
+    sets fan_in_fan_out itself for GPT-2's Conv1D layers and warns that it did)."""
+    try:
+        with _quiet_bitsandbytes():
+            from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError("--trainable lora needs peft: pip install peft.") from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
+        return get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear"))
 
 
 def prepare(model: torch.nn.Module, *, trainable: str, lora_rank: int, weights: str) -> torch.nn.Module:
@@ -71,11 +100,7 @@ def prepare(model: torch.nn.Module, *, trainable: str, lora_rank: int, weights: 
             raise UsageError(f"--trainable frozen-base leaves nothing to train in {type(model).__name__} "
                              f"(its head shares the base's weights); use --trainable lora or full.")
     elif trainable == "lora":
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            raise UsageError("--trainable lora needs peft: pip install peft.") from None
-        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
+        model = _lora(model, lora_rank)
     elif trainable != "full":
         raise UsageError(f"--trainable must be one of {', '.join(TRAINABLE)} but got {trainable!r}.")
     return model
@@ -93,3 +118,29 @@ def batch_for(batch, *, weights: str):
 
 def trained_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def compute_dtype(precision: str, weights: str) -> str:
+    """The dtype a plan's step computes its matmuls in: the autocast's for a mixed `precision`,
+    else the weights'."""
+    from autofit.plans import precision as precisions
+    return precision if precisions.get(precision).mixed else weights
+
+
+def precision_text(precision: str, weights: str) -> str:
+    """A plan's precision as it runs on these weights: the plan's own name on fp32 weights ("fp32",
+    "bf16" autocast); on bf16 weights "bf16 weights", with ", bf16 autocast" for a mixed plan."""
+    if weights == "fp32":
+        return precision
+    from autofit.plans import precision as precisions
+    mixed = precisions.get(precision).mixed
+    return f"{weights} weights, {precision} autocast" if mixed else f"{weights} weights"
+
+
+def plan_text(plan, weights: str) -> str:
+    """`plan.describe()` with its precision as `precision_text` says it."""
+    from autofit.plans import switches
+    parts = [f"micro {plan.micro_batch_size} x {plan.accumulation_steps}",
+             precision_text(plan.precision, weights)]
+    parts += [w for s in switches.SWITCHES if (w := s.label(getattr(plan, s.name))) is not None]
+    return ", ".join(parts)

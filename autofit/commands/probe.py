@@ -28,9 +28,10 @@ def context_reserve(override: str | None) -> tuple[int, str]:
     return DEFAULT_CONTEXT_RESERVE, "assumed: no CUDA here to measure it"
 
 
-def _plan_row(candidate, chosen) -> dict:
+def _plan_row(candidate, chosen, weights: str) -> dict:
     plan = candidate.plan
-    return {**plan.to_dict(), "peak_bytes": int(candidate.estimate.peak_bytes),
+    return {**plan.to_dict(), "compute_dtype": finetune.compute_dtype(plan.precision, weights),
+            "peak_bytes": int(candidate.estimate.peak_bytes),
             "reserved_bytes": int(candidate.estimate.peak("reserved")),
             "fits": bool(candidate.fits), "cost": candidate.cost, "chosen": candidate is chosen}
 
@@ -46,9 +47,10 @@ def cmd_probe(args) -> int:
                          "drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
     optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
-    from autofit.commands import models
+    from autofit.commands import models, samples
     from autofit.estimator.start import WORKSPACE_RESERVE
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
+    described = samples.describe(batch, model)
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)
@@ -59,7 +61,8 @@ def cmd_probe(args) -> int:
               "parameters": sum(p.numel() for p in model.parameters()),
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
               "optimizer": args.optimizer, "weights": args.weights,
-              "batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision,
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
+              "precision": args.precision,
               "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
               "workspace_reserve_bytes": WORKSPACE_RESERVE,
@@ -87,9 +90,11 @@ def cmd_probe(args) -> int:
         candidates, budget, caps="reserved", reserve=WORKSPACE_RESERVE)
     result = {**header, "fits": chosen is not None,
               "plan": None if chosen is None else chosen.plan.to_dict(),
+              "compute_dtype": None if chosen is None else finetune.compute_dtype(chosen.plan.precision,
+                                                                                 args.weights),
               "predicted_peak_bytes": None if shown is None else int(shown.estimate.peak_bytes),
               "predicted_reserved_bytes": None if shown is None else int(shown.estimate.peak("reserved")),
-              "table": [_plan_row(c, chosen) for c in candidates],
+              "table": [_plan_row(c, chosen, args.weights) for c in candidates],
               "breakdown": None if shown is None else {k: int(v) for k, v in
                                                       shown.estimate.breakdown.items()},
               "host_optimizer_bytes": _host_state(shown),
@@ -107,7 +112,7 @@ _OPTIMIZER_NAMES = finetune.OPTIMIZER_NAMES
 
 def _no_plan(header: dict, reason: str) -> dict:
     """The probe's result when nothing was estimated: every field of a result, empty."""
-    return {**header, "fits": False, "plan": None, "predicted_peak_bytes": None,
+    return {**header, "fits": False, "plan": None, "compute_dtype": None, "predicted_peak_bytes": None,
             "predicted_reserved_bytes": None, "table": [], "breakdown": None,
             "host_optimizer_bytes": None, "reason": reason, "verdict": None}
 
@@ -143,7 +148,7 @@ def _probe_report(args, result: dict, shown) -> int:
         ("fine-tune", f"{_TRAINED[result['trainable']]}, {_OPTIMIZER_NAMES[result['optimizer']]}, "
                       f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
                       f"parameters)"),
-        ("global batch", f"{result['batch_size']} x {result['seq_len']} tokens"),
+        ("global batch", result["batch"]["text"]),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
                             f"({result['context_reserve_source']})"),
@@ -156,7 +161,8 @@ def _probe_report(args, result: dict, shown) -> int:
         out("plans estimated, fastest first (* chosen; time relative to one fp32 pass over the "
              "whole batch):")
         rows = [["*" if r["chosen"] else "", r["micro_batch_size"], r["accumulation_steps"],
-                 r["precision"], r["checkpointing"], r["offload_optimizer"], f"{r['cost']:.2f}",
+                 finetune.precision_text(r["precision"], result["weights"]), r["checkpointing"],
+                 r["offload_optimizer"], f"{r['cost']:.2f}",
                  format_size(r["peak_bytes"]), format_size(r["reserved_bytes"]), r["fits"]]
                 for r in result["table"]]
         # The plan's fields this table shows, named as its columns are (not the registry's words).
@@ -164,9 +170,10 @@ def _probe_report(args, result: dict, shown) -> int:
                    "allocated peak", "reserved peak", "fits"], rows, align="lrrlllrrrl"))
     out()
     if shown is not None:
-        out(f"chosen plan: {shown.plan.describe()}" if result["fits"] else "no plan fits")
+        described = finetune.plan_text(shown.plan, result["weights"])
+        out(f"chosen plan: {described}" if result["fits"] else "no plan fits")
         if not result["fits"]:
-            out(f"smallest plan: {shown.plan.describe()}")
+            out(f"smallest plan: {described}")
         out(f"predicted peak: {format_breakdown(shown.estimate.breakdown, result['budget_bytes'])}")
         if result["host_optimizer_bytes"] is not None:
             out(f"offloaded: {format_size(result['host_optimizer_bytes'])} of optimizer state in host "
@@ -191,18 +198,23 @@ def _verify(args, budget: int, chosen) -> int:
     from autofit.errors import DoesNotFit
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                                device="cpu")
+    with models.quiet_transformers():  # the fine-tune the prediction priced, on the real model
+        model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
+                                 weights=args.weights)
+    batch = finetune.batch_for(batch, weights=args.weights)
     out()
     out(f"verifying: {VERIFY_STEPS} real steps on CUDA under a {format_size(budget)} budget")
     try:
         with models.quiet_transformers():
             result = run(model, [batch] * VERIFY_STEPS, budget=budget, precision=args.precision,
-                         progress=False, cache=False)
+                         optimizer=finetune.optimizer_factory(args.optimizer), progress=False, cache=False)
     except DoesNotFit as e:
         attempts_table(e.attempts)
         print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     attempts_table(result.attempts)
     peak = max((a.peak_bytes for a in result.attempts if a.outcome == "ok"), default=0)
-    out(f"verified plan: {result.plan.describe()}, measured peak {format_size(peak)} "
-         f"(predicted {format_size(chosen.estimate.peak_bytes)} for {chosen.plan.describe()})")
+    ran, predicted = (finetune.plan_text(p, args.weights) for p in (result.plan, chosen.plan))
+    out(f"verified plan: {ran}, measured peak {format_size(peak)} "
+        f"(predicted {format_size(chosen.estimate.peak_bytes)} for {predicted})")
     return EXIT_OK

@@ -14,6 +14,12 @@ The labels follow the task (the transformers Auto mapping the model class is in)
 token (token classification), or target token ids [batch, seq] with the `decoder_input_ids` they
 shift to (sequence-to-sequence: the decoder's inputs are the labels shifted right behind the
 decoder start token). A size the config lacks is read from its sub-configs (CLIP's vision_config).
+
+`describe(batch, model)` names what a batch is, by its main input's kind, for the probe's header:
+"32 x 128 tokens", "32 images of 3 x 224 x 224", "8 x 3000 frames of 80 mel bins", with ", 8 x 128
+target tokens" for a sequence-to-sequence batch, and where each row's length comes from: --seq-len
+(tokens, raw samples, features without an encoder window) or the model's config (an image's size,
+the encoder's window of frames), which decides whether a shorter --seq-len is advice at all.
 """
 
 from __future__ import annotations
@@ -133,3 +139,53 @@ def _positive(config, attr: str, default: int | None = None) -> int:
         raise ModelSpecError(f"the config's {attr} is {value!r}; the probe needs a positive int to shape "
                              f"the model's inputs.")
     return value
+
+
+def describe(batch, model) -> dict:
+    """{"main_input", "shapes", "text", "row", "row_length"} of a batch of `model` (see the module
+    docstring): `row` is one row of the main input in words, `row_length` "seq_len" or "config"
+    (None, and `text` the shapes, for a batch of no kind this module knows, as a module:function may
+    return). The main input is the model's `main_input_name` where the batch has it."""
+    shapes = {str(k): list(v.shape) for k, v in _items(batch) if isinstance(v, torch.Tensor)}
+    config = getattr(model, "config", None)
+    known = [k for k in MAIN_INPUTS if isinstance(batch, dict) and len(shapes.get(k, ())) == _DIMS[k]]
+    main = getattr(model, "main_input_name", None)
+    main = main if main in known else next(iter(known), None)
+    if main is None:
+        listed = ", ".join(f"{k}{v}" for k, v in shapes.items())
+        return {"main_input": None, "shapes": shapes, "text": f"{_rows(batch)} rows: {listed}", "row": None,
+                "row_length": None}
+    rows, *size = shapes[main]
+    if main == "input_ids":
+        row, length, text = f"{size[0]} tokens", "seq_len", f"{rows} x {size[0]} tokens"
+    elif main == "pixel_values":
+        image = " x ".join(map(str, size))
+        row, length, text = f"an image of {image}", "config", f"{rows} images of {image}"
+    elif main == "input_values":
+        row, length, text = f"{size[0]} audio samples", "seq_len", f"{rows} x {size[0]} audio samples"
+    else:  # input_features: channels first when the config counts mel bins (as sample_batch builds it)
+        mels = config is not None and _value(config, "num_mel_bins") is not None
+        frames, width = (size[1], size[0]) if mels else size
+        row = f"{frames} frames of {width} {'mel bins' if mels else 'features'}"
+        window = config is not None and isinstance(_value(config, "max_source_positions"), int)
+        length, text = "config" if window else "seq_len", f"{rows} x {row}"
+    targets = shapes.get("decoder_input_ids")
+    if targets is not None and len(targets) == 2:
+        text += f", {targets[0]} x {targets[1]} target tokens"
+    return {"main_input": main, "shapes": shapes, "text": text, "row": row, "row_length": length}
+
+
+_DIMS = {"input_ids": 2, "pixel_values": 4, "input_features": 3, "input_values": 2}
+
+
+def _items(batch):
+    if isinstance(batch, dict):
+        return list(batch.items())
+    if isinstance(batch, (list, tuple)):
+        return list(enumerate(batch))
+    return [("batch", batch)]
+
+
+def _rows(batch) -> int:
+    from autofit.engine.batches import rows_of
+    return rows_of(batch)

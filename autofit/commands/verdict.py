@@ -1,24 +1,26 @@
 """The probe's last line: one sentence saying what decides the plan and what the user could change.
 
-It reads the estimates `capacity.rank` made (fastest first) and the fine-tune the probe priced:
+It reads the estimates `capacity.rank` made (fastest first) and the fine-tune the probe priced
+(plans named as they run on its weights: `finetune.plan_text`):
 - the chosen plan offloads the optimizer state: the state's size against the card (plans that keep
   it on the card are not even estimated when the model's states alone exceed the budget);
 - the fastest plan fits: it says so, with the largest part of its peak;
 - the chosen plan is slower than the fastest (micro-batches, checkpointing, bf16): what the fastest
-  plan's peak is mostly made of at the moment it peaks, activations or the model's states;
+  plan's peak is mostly made of at the moment it peaks, activations or the model's states; for
+  activations, fewer rows (--batch-size), and shorter ones (--seq-len) only where --seq-len sets a
+  row's length: not for an image or a window of audio frames, whose size the model's config fixes;
 - no plan fits: what the smallest plan cannot lose (parameters, parameters and gradients, or
   activations).
 The options it suggests are the ones whose saving, worked out from the estimate's resident bytes
 (parameters, gradients, optimizer state), brings the peak within the usable bytes: another
-optimizer's state by its bytes per trained parameter, LoRA dropping the base's gradients and state
-(from a plan without checkpointing only), bf16 weights halving parameters, gradients and state. That
-arithmetic leaves the activations as they were, so the sentence says "by this breakdown": the probe
-rerun with the option is the answer.
+optimizer's state by its bytes per trained parameter, LoRA dropping the base's gradients and state,
+bf16 weights halving parameters, gradients and state. That arithmetic leaves the activations as they
+were, so the sentence says "by this breakdown": the probe rerun with the option is the answer.
 """
 
 from __future__ import annotations
 
-from autofit.commands.finetune import OPTIMIZER_NAMES
+from autofit.commands.finetune import OPTIMIZER_NAMES, plan_text
 from autofit.sizes import format_size
 
 # Optimizer state per trained parameter (fp32 weights), heaviest first: the suggestion is the
@@ -32,6 +34,9 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         return None
     usable = result["usable_bytes"]
     name = OPTIMIZER_NAMES[result["optimizer"]]
+
+    def words(candidate) -> str:  # the plan as it runs on the fine-tune's weights
+        return plan_text(candidate.plan, result["weights"])
     if chosen is not None and chosen.plan.offload_optimizer:
         state, states = _resident(chosen)["optimizer"], _model_states(chosen, with_state=False)
         if state > usable:
@@ -45,19 +50,18 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         return f"{what} offloads the state to host memory{_options(result, chosen, 'fit without offload')}."
     if chosen is candidates[0]:
         kind, size = _largest(chosen.estimate.breakdown)
-        return (f"The fastest plan fits: {chosen.plan.describe()} reserves {_s(_reserved(chosen))} of the "
+        return (f"The fastest plan fits: {words(chosen)} reserves {_s(_reserved(chosen))} of the "
                 f"{_s(usable)} usable, {kind} the largest part ({_s(size)}); nothing needs to change.")
     if chosen is not None:
         faster = next(c for c in candidates if not c.fits)  # the fastest plan, which did not fit
         activations = faster.estimate.breakdown.get("activations", 0)
         states = _model_states(faster, with_state=True)
         if activations >= states:
-            return (f"Activations decide the plan: {faster.plan.describe()} would hold {_s(activations)} of "
+            return (f"Activations decide the plan: {words(faster)} would hold {_s(activations)} of "
                     f"them and reserve {_s(_reserved(faster))} of the {_s(usable)} usable, so it runs "
-                    f"{chosen.plan.describe()}; a shorter --seq-len or a smaller --batch-size would let a "
-                    f"faster plan fit.")
+                    f"{words(chosen)}; {_fewer_activations(result['batch'])}.")
         return (f"The model's states decide the plan: parameters, gradients and {name} state take "
-                f"{_s(states)} of the {_s(usable)} usable, so it runs {chosen.plan.describe()}"
+                f"{_s(states)} of the {_s(usable)} usable, so it runs {words(chosen)}"
                 f"{_options(result, faster, 'let a faster plan fit')}.")
     smallest = min(candidates, key=_reserved)
     resident = _resident(smallest)
@@ -67,12 +71,23 @@ def sentence(result: dict, candidates, chosen) -> str | None:
         what = (f"Parameters and gradients ({_s(resident['params'] + resident['grads'])}) exceed the "
                 f"{_s(usable)} usable even with the {name} state offloaded")
     else:
-        what = (f"Even the smallest plan ({smallest.plan.describe()}) reserves {_s(_reserved(smallest))} of "
+        what = (f"Even the smallest plan ({words(smallest)}) reserves {_s(_reserved(smallest))} of "
                 f"the {_s(usable)} usable, {_s(smallest.estimate.breakdown.get('activations', 0))} of it "
                 f"activations")
     # Options combined (LoRA on bf16 weights) may fit where none alone does: say only what was worked out.
     alone = "; by this breakdown no one change of --optimizer, --trainable or --weights fits"
     return f"{what}: no plan fits{_options(result, smallest, 'fit', fallback=alone)}."
+
+
+def _fewer_activations(batch: dict) -> str:
+    """What shrinks the activations, by the batch's kind: shorter rows only where --seq-len sets
+    their length (tokens), fewer rows always."""
+    if batch["row_length"] == "seq_len":
+        return "a shorter --seq-len or a smaller --batch-size would let a faster plan fit"
+    if batch["row_length"] == "config":
+        return (f"a smaller --batch-size would let a faster plan fit (the model's config, not --seq-len, "
+                f"sizes each row's main input: {batch['row']})")
+    return "a smaller --batch-size would let a faster plan fit"
 
 
 def _options(result: dict, candidate, outcome: str, fallback: str = "") -> str:
@@ -100,10 +115,10 @@ def fitting_options(result: dict, candidate) -> list[str]:
             if on_device - state + trained * per_parameter * scale <= usable:
                 found.append(f"--optimizer {option}")
                 break
-    # LoRA keeps the activations of a plan without checkpointing: a checkpointed plan's are no guide
-    # (Llama-2-7B, bf16, 4 x 512: 4.39 GiB at one row with LoRA against the checkpointed full plan's).
-    if (result["trainable"] == "full" and not candidate.plan.checkpointing
-            and on_device - resident["grads"] - state <= usable):
+    # LoRA checkpoints as the full model does (the wrapped model's switch), keeping about the same
+    # activations (a 6-layer Llama, bf16 weights, 8 x 256, one row: 3.26 MiB with LoRA, 3.32 MiB
+    # full); without checkpointing it keeps more, its adapters' inputs (9.53 against 7.61 MiB).
+    if result["trainable"] == "full" and on_device - resident["grads"] - state <= usable:
         found.append("--trainable lora")
     if result["weights"] == "fp32" and on_device - (resident["params"] + resident["grads"] + state) / 2 <= usable:
         found.append("--weights bf16")

@@ -1,8 +1,12 @@
 """Activation checkpointing switched on and off for a plan, leaving the model as it was found.
 
 Hugging Face models use their own switch (non-reentrant, so it composes with autocast and frozen
-inputs). Other models get the blocks of their largest ModuleList/Sequential wrapped: each block's
-forward is recomputed in backward by `torch.utils.checkpoint`.
+inputs), and so does a wrapper of one that adds no parameters of its own (peft's PeftModel: its
+adapters live inside the wrapped model's layers), as peft users switch it on the wrapped model:
+wrapping its blocks from outside would recompute them with the key/value cache on, which the
+recompute appends to a second time. Other models get the blocks of their largest
+ModuleList/Sequential wrapped: each block's forward is recomputed in backward by
+`torch.utils.checkpoint`.
 
 A recompute runs a forward a second time, and a batch-coupled layer's forward writes its running
 statistics. A block's recompute runs inside a context that copies its coupled layers' buffers before
@@ -49,6 +53,18 @@ def _hf_switch(model, on: bool) -> None:
 
 def _is_hf(model) -> bool:
     return getattr(model, "supports_gradient_checkpointing", False) and _hf_state(model) is not None
+
+
+def hf_model(model: torch.nn.Module):
+    """The Hugging Face model whose switch checkpoints `model`: the model itself, or the outermost
+    one inside it that holds every parameter of it (a wrapper such as peft's PeftModel); None."""
+    if _is_hf(model):
+        return model
+    total = sum(1 for _ in model.parameters())
+    for module in model.modules():
+        if module is not model and _is_hf(module):
+            return module if sum(1 for _ in module.parameters()) == total else None
+    return None
 
 
 def largest_block_list(model: torch.nn.Module):
@@ -104,8 +120,9 @@ class Checkpointing:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.hf = _is_hf(model)
-        self.initial = _hf_state(model) if self.hf else False
+        self._hf_model = hf_model(model)
+        self.hf = self._hf_model is not None
+        self.initial = _hf_state(self._hf_model) if self.hf else False
         self.blocks = None if self.hf else largest_block_list(model)
         self.on = self.initial
         self._own_forward = {}
@@ -124,10 +141,10 @@ class Checkpointing:
             # transformers' enable also hooks the input embeddings (inputs require grad) and its
             # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
             hf_internals.require("activation checkpointing of a transformers model")
-            before = {id(h) for h in hf_internals.require_grads_hooks(self.model)}
-            _hf_switch(self.model, on)
+            before = {id(h) for h in hf_internals.require_grads_hooks(self._hf_model)}
+            _hf_switch(self._hf_model, on)
             if on:
-                self._own_hooks = [h for h in hf_internals.require_grads_hooks(self.model)
+                self._own_hooks = [h for h in hf_internals.require_grads_hooks(self._hf_model)
                                    if id(h) not in before]
             else:
                 self._remove_own_hooks()
@@ -150,7 +167,7 @@ class Checkpointing:
         for hook in own:
             hook.remove()
         if own:
-            hf_internals.forget_require_grads_hooks(self.model, own)
+            hf_internals.forget_require_grads_hooks(self._hf_model, own)
         self._own_hooks = []
 
     def restore(self) -> None:
