@@ -27,18 +27,37 @@ def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return copy.deepcopy(model, memo), fakes
 
 
-def fake_memo(model: torch.nn.Module) -> tuple[dict, dict]:
+def fake_memo(model: torch.nn.Module, cut=None) -> tuple[dict, dict]:
     """(a deepcopy memo mapping every tensor of `model` to its fake stand-in, {id(real): fake}):
-    every parameter, buffer and plain tensor attribute of its modules (call under a FakeTensorMode)."""
+    every parameter, buffer and plain tensor attribute of its modules (call under a FakeTensorMode).
+    `cut` = (a module list of `model`, n): a copy keeping only its first n children, whose other
+    children need no fakes (those also reached another way get them)."""
     memo: dict = {}
     fakes: dict = {}
-    tensors = itertools.chain(model.parameters(), model.buffers(),
-                              (v for m in model.modules() for v in vars(m).values()
-                               if isinstance(v, torch.Tensor)))
+    modules = list(_modules(model, cut))
+    tensors = itertools.chain((t for m in modules for t in m.parameters(recurse=False)),
+                              (t for m in modules for t in m.buffers(recurse=False)),
+                              (v for m in modules for v in vars(m).values() if isinstance(v, torch.Tensor)))
     for t in tensors:
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)
     return memo, fakes
+
+
+def _modules(model: torch.nn.Module, cut):
+    """`model`'s modules, each once, in `model.modules()` order; with `cut` = (list, n), the
+    list's children past the first n are not gone into from the list."""
+    seen, stack = set(), [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield module
+        children = list(module.children())
+        if cut is not None and module is cut[0]:
+            children = children[:cut[1]]
+        stack.extend(reversed(children))
 
 
 # -- the optimizer ------------------------------------------------------------------------------
