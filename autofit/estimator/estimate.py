@@ -645,9 +645,11 @@ class Estimator:
 
 
 def _forget_cached_dispatch(keep: int) -> None:
-    """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
-    trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
-    one estimator measuring many plans would otherwise grow host memory with every plan."""
+    """Drop what a measure (or a search's measures: `Estimator.sharing_dispatch_cache`) added to
+    FakeTensorMode's dispatch cache (shared by every fake mode, never trimmed by torch): one
+    estimator measuring plans through a run would otherwise grow host memory with every plan. Its
+    keys are ops and their tensors' metadata: a later walk of the same shapes hits them (a plan's
+    walk of 4 blocks after its walk of 3 is all hits), a micro-batch of another size mostly not."""
     cache = ti.fake_tensor_mode_class().cache
     for key in list(itertools.islice(cache, keep, None)):
         cache.pop(key, None)
