@@ -64,6 +64,7 @@ FEATURES = {
         "torch.ops.aten.add.default._schema"),
     "the fake-tensor estimator": (
         "torch._subclasses.fake_tensor.FakeTensorMode",
+        "torch._subclasses.fake_tensor.FakeTensor",
         "torch.utils._python_dispatch._disable_current_modes",
         "torch.ops.aten._scaled_dot_product_flash_attention",
         "torch.ops.aten._scaled_dot_product_efficient_attention"),
@@ -158,6 +159,27 @@ def fake_tensor_mode_class():
     require("the fake-tensor estimator")
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode
+
+
+@functools.cache
+def _fake_tensor_class():
+    from torch._subclasses.fake_tensor import FakeTensor
+    return FakeTensor
+
+
+def fake_device(args):
+    """What `prim.device` returns for `args` (one fake tensor), as FakeTensorMode's own handler
+    answers it (its `_device_handler`: the tensor's fake device, meta inside a kernel), or None
+    for other arguments. The autograd engine asks every tensor it touches for its device: two of
+    every three ops a walk dispatches, each otherwise through the fake mode's whole dispatch."""
+    if len(args) == 1 and type(args[0]) is _fake_tensor_class():
+        tensor = args[0]
+        if not tensor.fake_mode.in_kernel_invocation:
+            return tensor.fake_device
+    return None
+
+
+PRIM_DEVICE = torch.ops.prim.device.default  # the op `fake_device` answers
 
 
 def disable_current_modes():

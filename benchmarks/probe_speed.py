@@ -4,21 +4,25 @@
 Commands: README's first one (`--gpu-mem 2GiB`: BERT-base, 32 x 128 tokens, about 7 plans), and a
 searching probe of a Llama-2-7B config (written to a temporary directory; 32 x 128 tokens, a 60 GiB
 card: several plans, repeated blocks walked through 3 of 32). `--root DIR` times the checkout at DIR
-instead of this one (to compare before and after a change); `--repeat N` keeps the fastest of N runs.
+instead of this one; given more than once, the checkouts take turns run by run (to compare before and
+after a change under the same load), and the last column says whether each printed exactly what the
+first printed. `--repeat N` keeps the fastest (by CPU) of N runs.
 
-    python benchmarks/probe_speed.py [--root DIR] [--repeat 3]
+    python benchmarks/probe_speed.py [--root DIR ...] [--repeat 3]
 
-Measured 2026-12-03 on the 2-core box while idle (load under 1), fastest of 1 run, before
-(the estimator walking offloaded plans with their host copies, snapshots and host updates) and after
-(those skipped: no device memory effect; the same plans and figures):
+Measured 2026-12-03 on the 2-core box shared with other work (load 0.5-1.5), fastest of 3 runs,
+before (/work/main) and after (the estimator sharing FakeTensorMode's dispatch cache between the plans
+of one search and a plan's cut walks, answering `prim.device` itself, no device context where CPU is
+the default already, the optimizer warmed one parameter per kind, cut copies making fakes only for the
+blocks they keep), two runs of the benchmark:
 
-    command                                  before: wall s  CPU s   after: wall s  CPU s
-    probe --gpu-mem 2GiB (BERT-base)                   17.1   16.8            10.2   10.2
-    probe Llama-2-7B config --gpu-mem 60GiB            19.4   19.5            11.8   11.9
+    command                                  before: wall s  CPU s   after: wall s  CPU s   output
+    probe --gpu-mem 2GiB (BERT-base)                9.6 / 11.0   9.7 / 11.1     8.4 / 8.6   8.5 / 8.7   same
+    probe Llama-2-7B config --gpu-mem 60GiB        14.5 / 12.5  14.4 / 12.4    12.1 / 11.2  12.1 / 11.1   same
 
-Of the 10 s left for BERT-base, about 4 s are imports (torch, transformers' BERT) and building the
-model on meta, and the 11 walks' forward and backward on fake tensors (7 plans; 4 checks against a
-walk of 4 blocks) most of the rest.
+Of the 8.5 s for BERT-base about 4 s are imports and building the model on meta (0.9 s of them
+Python's garbage collector over what the imports make), 0.3 s the fake copies and warm step, and
+about 3.5 s the 11 walks (7 plans; 4 checks against a walk of 4 blocks, all dispatch-cache hits).
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ def run_probe(root: str, args: list[str]) -> tuple[float, float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=ROOT, help="the checkout to time (default: this one)")
+    parser.add_argument("--root", action="append", help="a checkout to time (default: this one); given "
+                        "more than once, the checkouts' runs take turns, so they share the box's noise")
     parser.add_argument("--repeat", type=int, default=1, help="runs per command; the fastest is kept")
     options = parser.parse_args()
+    roots = options.root or [ROOT]
     sys.path.insert(0, ROOT)
     from autofit.diagnosis.report import table
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,12 +79,19 @@ def main() -> None:
                     "probe Llama-2-7B config --gpu-mem 60GiB": ["--model", config, "--gpu-mem", "60GiB"]}
         rows = []
         for name, args in commands.items():
-            runs = [run_probe(options.root, args) for _ in range(max(options.repeat, 1))]
-            wall, cpu, output = min(runs, key=lambda r: r[1])
-            plans = sum(1 for line in output.splitlines() if line.rstrip().endswith((" yes", " no")))
-            rows.append([name, f"{wall:.1f}", f"{cpu:.1f}", plans])
-    print(f"checkout: {options.root}")
-    print(table(["command", "wall s", "CPU s", "plans estimated"], rows, align="lrrr"))
+            runs: dict = {root: [] for root in roots}
+            for _ in range(max(options.repeat, 1)):
+                for root in roots:
+                    runs[root].append(run_probe(root, args))
+            tables = {root: min(r, key=lambda run: run[1])[2] for root, r in runs.items()}
+            for root, r in runs.items():
+                wall, cpu, output = min(r, key=lambda run: run[1])
+                plans = sum(1 for line in output.splitlines() if line.rstrip().endswith((" yes", " no")))
+                same = "" if len(roots) == 1 else ("yes" if output == tables[roots[0]] else "NO")
+                rows.append([name, root, f"{wall:.1f}", f"{cpu:.1f}", plans] + ([same] if same else []))
+    headers = ["command", "checkout", "wall s", "CPU s", "plans estimated"]
+    headers += ["output as the first checkout's"] if len(roots) > 1 else []
+    print(table(headers, rows, align="llrrr" + "l" * (len(roots) > 1)))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ resident bytes alone exceed the budget is skipped without an estimate.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -176,36 +177,39 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
         return _floor(estimator.resident, measured.values(), offloaded)
 
     best = math.inf
-    try:
-        frugal = _most_frugal(plans)
-        if floor(frugal.offload_optimizer) > limit:
-            fits(frugal)  # nothing fits; one estimate says with what
-            return _sorted(measured, plans)
-        if floor(frugal.offload_optimizer) > TIGHT * limit:
-            # Little room beyond what every plan holds: first see whether the most frugal plans
-            # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
-            tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
-                     and p.micro_batch_size == frugal.micro_batch_size]
-            if not any(fits(p) for p in tight):
+    # The plans searched share most of their ops' shapes: one dispatch cache for all of them.
+    sharing = getattr(estimator, "sharing_dispatch_cache", None)
+    with sharing() if sharing is not None else contextlib.nullcontext():
+        try:
+            frugal = _most_frugal(plans)
+            if floor(frugal.offload_optimizer) > limit:
+                fits(frugal)  # nothing fits; one estimate says with what
                 return _sorted(measured, plans)
-        # Visit configurations by their best possible cost (their largest micro-batch).
-        for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch, tokens)):
-            group = sorted(group, key=lambda p: -p.micro_batch_size)
-            group = [p for p in group if plan_cost(p, global_batch, tokens) < best]
-            if group:
-                try:
-                    found = _largest_fitting(group, measure, limit,
-                                             functools.partial(floor, group[0].offload_optimizer), caps)
-                except _Dropped:
-                    continue  # a configuration whose move cannot run: the others are searched
-                if found is not None:
-                    best = min(best, plan_cost(found, global_batch, tokens))
-        if not any(c.fits for c in measured.values()) and plans:
-            fits(frugal)
-    except _OutOfEstimates:
-        pass
-    finally:
-        measure = None  # it calls itself: its closure would hold the estimator (and batch) in a cycle
+            if floor(frugal.offload_optimizer) > TIGHT * limit:
+                # Little room beyond what every plan holds: first see whether the most frugal plans
+                # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
+                tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
+                         and p.micro_batch_size == frugal.micro_batch_size]
+                if not any(fits(p) for p in tight):
+                    return _sorted(measured, plans)
+            # Visit configurations by their best possible cost (their largest micro-batch).
+            for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch, tokens)):
+                group = sorted(group, key=lambda p: -p.micro_batch_size)
+                group = [p for p in group if plan_cost(p, global_batch, tokens) < best]
+                if group:
+                    try:
+                        found = _largest_fitting(group, measure, limit,
+                                                 functools.partial(floor, group[0].offload_optimizer), caps)
+                    except _Dropped:
+                        continue  # a configuration whose move cannot run: the others are searched
+                    if found is not None:
+                        best = min(best, plan_cost(found, global_batch, tokens))
+            if not any(c.fits for c in measured.values()) and plans:
+                fits(frugal)
+        except _OutOfEstimates:
+            pass
+        finally:
+            measure = None  # it calls itself: its closure would hold the estimator (and batch) in a cycle
     return _sorted(measured, plans)
 
 

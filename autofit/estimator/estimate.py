@@ -91,7 +91,7 @@ from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
 from autofit.plans import precision as precisions
 from autofit.plans import switches
 from autofit.plans.plan import Plan
-from autofit.gpu.simulate import SimulatedGPU, _CountingMode, inner_tensors, round_bytes
+from autofit.gpu.simulate import SimulatedGPU, _count, _CountingMode, _skipped_by_dynamo, inner_tensors, round_bytes
 from autofit.engine.atomic import AtomicStep
 from autofit.engine.step import StepRunner
 
@@ -312,6 +312,27 @@ def _step_hooks(optimizer, device: _FakeDevice, before: list, after: list):
         del optimizer.step
 
 
+def _estimate_count(self, func, types, args=(), kwargs=None):
+    """The counting mode's dispatch, a fake tensor's `prim.device` (asked of every tensor the
+    autograd engine touches; no tensor made) answered as the fake mode answers it."""
+    if func is ti.PRIM_DEVICE:
+        device = ti.fake_device(args)
+        if device is not None:
+            return device
+    return _count(self, func, types, args, kwargs)
+
+
+_SKIPPED = _skipped_by_dynamo(_estimate_count)
+
+
+class _EstimateMode(_CountingMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _SKIPPED
+
+    __torch_dispatch__ = _estimate_count
+
+
 class _Unguarded(AtomicStep):
     """The estimated step's optimizer step, never guarded by a host snapshot: the walk cannot run
     out of memory (its allocator model has no limit; caps are replayed afterwards), so there is
@@ -404,7 +425,10 @@ class Estimator:
         stack.enter_context(ti.disable_current_modes())
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
-        stack.enter_context(torch.device("cpu"))
+        if torch.get_default_device().type != "cpu":
+            # Only where needed: a device context is a torch-function mode, which every torch call
+            # of the walk then goes through (tensors made without a device are CPU's anyway).
+            stack.enter_context(torch.device("cpu"))
         stack.enter_context(silenced_torch_logs())
         return stack
 
@@ -436,7 +460,7 @@ class Estimator:
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
         self._recorded = None
         if self._sampled is None:
-            cached = len(ti.fake_tensor_mode_class().cache)
+            cached = len(ti.fake_tensor_mode_class().cache) if self._forgets_dispatch() else None
             try:
                 with self._quiet():
                     estimate = self._derived(plan) if after is None else None
@@ -445,11 +469,33 @@ class Estimator:
             except Exception as error:
                 self._sample(error)
             finally:
-                _forget_cached_dispatch(cached)
+                if cached is not None:
+                    _forget_cached_dispatch(cached)
         if self._sampled is not None:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
         return estimate if limit is None else self._capped(estimate, limit)
+
+    _sharing = 0  # inside sharing_dispatch_cache()
+
+    def _forgets_dispatch(self) -> bool:
+        """Whether a measure drops what it added to FakeTensorMode's dispatch cache when it ends."""
+        return not self._sharing
+
+    @contextlib.contextmanager
+    def sharing_dispatch_cache(self):
+        """The measures made inside keep what they add to FakeTensorMode's dispatch cache, and
+        it is dropped when the block ends: plans measured together share most of their ops'
+        shapes (the parameters', a micro-batch's), and a hit costs a fraction of a miss (torch's
+        meta kernels, in Python). The estimates are the same: the cache only saves recomputing."""
+        cached = len(ti.fake_tensor_mode_class().cache) if not self._sharing else None
+        self._sharing += 1
+        try:
+            yield self
+        finally:
+            self._sharing -= 1
+            if cached is not None:
+                _forget_cached_dispatch(cached)
 
     def capped(self, plan: Plan, limit: int) -> MemoryEstimate:
         """`plan`'s estimate (from a fresh cache) with the reserved peak of the allocator model capped
@@ -493,7 +539,7 @@ class Estimator:
         return _Meter()
 
     def _counting_mode(self, meter) -> _CountingMode:
-        return _CountingMode(meter)
+        return _EstimateMode(meter)
 
     def _first_step(self, meter, device, plan: Plan, state) -> None:
         """Replay a run's first step under `plan` through `meter`'s allocator: the optimizer state
@@ -599,9 +645,11 @@ class Estimator:
 
 
 def _forget_cached_dispatch(keep: int) -> None:
-    """Drop what a measure added to FakeTensorMode's dispatch cache (shared by every fake mode, never
-    trimmed by torch): its keys hold the measure's own tensors' metadata, so none is hit again, and
-    one estimator measuring many plans would otherwise grow host memory with every plan."""
+    """Drop what a measure (or a search's measures: `Estimator.sharing_dispatch_cache`) added to
+    FakeTensorMode's dispatch cache (shared by every fake mode, never trimmed by torch): one
+    estimator measuring plans through a run would otherwise grow host memory with every plan. Its
+    keys are ops and their tensors' metadata: a later walk of the same shapes hits them (a plan's
+    walk of 4 blocks after its walk of 3 is all hits), a micro-batch of another size mostly not."""
     cache = ti.fake_tensor_mode_class().cache
     for key in list(itertools.islice(cache, keep, None)):
         cache.pop(key, None)

@@ -27,18 +27,37 @@ def fake_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return copy.deepcopy(model, memo), fakes
 
 
-def fake_memo(model: torch.nn.Module) -> tuple[dict, dict]:
+def fake_memo(model: torch.nn.Module, cut=None) -> tuple[dict, dict]:
     """(a deepcopy memo mapping every tensor of `model` to its fake stand-in, {id(real): fake}):
-    every parameter, buffer and plain tensor attribute of its modules (call under a FakeTensorMode)."""
+    every parameter, buffer and plain tensor attribute of its modules (call under a FakeTensorMode).
+    `cut` = (a module list of `model`, n): a copy keeping only its first n children, whose other
+    children need no fakes (those also reached another way get them)."""
     memo: dict = {}
     fakes: dict = {}
-    tensors = itertools.chain(model.parameters(), model.buffers(),
-                              (v for m in model.modules() for v in vars(m).values()
-                               if isinstance(v, torch.Tensor)))
+    modules = list(_modules(model, cut))
+    tensors = itertools.chain((t for m in modules for t in m.parameters(recurse=False)),
+                              (t for m in modules for t in m.buffers(recurse=False)),
+                              (v for m in modules for v in vars(m).values() if isinstance(v, torch.Tensor)))
     for t in tensors:
         if id(t) not in fakes:
             fakes[id(t)] = memo[id(t)] = fake_like(t)
     return memo, fakes
+
+
+def _modules(model: torch.nn.Module, cut):
+    """`model`'s modules, each once, in `model.modules()` order; with `cut` = (list, n), the
+    list's children past the first n are not gone into from the list."""
+    seen, stack = set(), [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield module
+        children = list(module.children())
+        if cut is not None and module is cut[0]:
+            children = children[:cut[1]]
+        stack.extend(reversed(children))
 
 
 # -- the optimizer ------------------------------------------------------------------------------
@@ -119,15 +138,60 @@ def fake_optimizer(optimizer, model, fakes: dict, device_type: str,
     return built
 
 
+# torch's optimizers whose state for a parameter is made from that parameter and its group's
+# options alone (no state shared between parameters, as LBFGS has).
+_PER_PARAMETER = ("Adam", "AdamW", "SGD", "RMSprop", "NAdam", "RAdam", "Adamax")
+
+
 def warm(optimizer) -> None:
     """One step on zero gradients: the optimizer's state now exists, as from a real run's 2nd step."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if any(not optimizer.state.get(p) for p in params):
-        with torch.no_grad():
-            for p in params:
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
+        if not _warm_alike(optimizer, params):
+            _step_on_zeros(optimizer, params)
     optimizer.zero_grad(set_to_none=True)
+
+
+def _step_on_zeros(optimizer, params) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+def _signature(p) -> tuple:
+    return tuple(p.shape), p.stride(), p.storage_offset(), p.dtype, p.device
+
+
+def _warm_alike(optimizer, params) -> bool:
+    """Warm one parameter of each group and kind (shape, strides, dtype) in an optimizer of the same
+    class and options, and give every alike parameter a copy of its state (a model's repeated
+    blocks: BERT-base's 201 parameters are 12 kinds; a fake op costs the same for any size, so the
+    step is most of an estimator's set-up). Only for torch's optimizers whose state is each
+    parameter's own, and one with no state yet; False: warm it whole."""
+    cls = type(optimizer)
+    if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in _PER_PARAMETER \
+            or optimizer.state:
+        return False
+    kinds: dict = {}  # (group, signature) -> the parameter warmed for them
+    for i, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if p.requires_grad:
+                kinds.setdefault((i, _signature(p)), p)
+    if len(kinds) == len(params):
+        return False  # nothing alike: the step itself is as cheap
+    groups = [{**options, "params": [p for (i, _), p in kinds.items() if i == index]}
+              for index, options in enumerate(_group_options(optimizer.param_groups))]
+    small = _same_kind(optimizer, [g for g in groups if g["params"]])
+    _step_on_zeros(small, list(kinds.values()))
+    small.zero_grad(set_to_none=True)
+    for i, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if p.requires_grad:
+                made = small.state[kinds[(i, _signature(p))]]
+                optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                      for k, v in made.items()}
+    return True
 
 
 def on_device_state(optimizer) -> list[torch.Tensor]:

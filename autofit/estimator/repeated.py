@@ -86,7 +86,7 @@ def cut_fake_model(model: torch.nn.Module, path: str, keep: int) -> tuple[torch.
     first `keep` blocks only; {id(real tensor): fake} for the tensors the copy holds. The model is
     read, never changed: a new list of the copied blocks is given to deepcopy through its memo."""
     blocks = model.get_submodule(path)
-    memo, fakes = fake_memo(model)
+    memo, fakes = fake_memo(model, cut=(blocks, keep))
     kept = [(name, copy.deepcopy(child, memo))
             for name, child in itertools.islice(blocks.named_children(), keep)]
     cut = torch.nn.Sequential(OrderedDict(kept)) if type(blocks) is torch.nn.Sequential \

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from autofit import torch_internals as ti
 from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter
 from autofit.estimator.fakes import fake_optimizer, warm
 from autofit.estimator.repeated import cut_fake_model
@@ -138,6 +139,10 @@ class _TracingMeter(_Meter):
 
 def _traced_count(self, func, types, args=(), kwargs=None):
     """The counting mode's dispatch, with the op's arguments shown to the meter while it counts."""
+    if func is ti.PRIM_DEVICE:  # a query, no tensor made: answered as the fake mode answers it
+        device = ti.fake_device(args)
+        if device is not None:
+            return device
     gpu = self.gpu
     gpu.op = (func, args, kwargs or {})
     try:
@@ -257,6 +262,9 @@ class _CutEstimator(Estimator):
                         self.block_of[id(v.untyped_storage())] = i
         self._phases = None
         self._repeated = False  # the cut copy itself is walked whole
+
+    def _forgets_dispatch(self) -> bool:
+        return False  # the measure of the whole model drops what its cut walks added, at its end
 
     def _new_meter(self):
         meter = _TracingMeter(self.block_of)
