@@ -2,6 +2,7 @@
 and CUDA dropout's bool mask, op by op; and an estimator's host memory stays bounded over many plans."""
 
 import gc
+import sys
 import tracemalloc
 
 import pytest
@@ -146,11 +147,14 @@ def test_one_estimator_measuring_many_plans_keeps_host_memory_bounded():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
+        table = sys.getsizeof(FakeTensorMode.cache)
         for plan in plans * 2:
             est.measure(plan)
             assert len(FakeTensorMode.cache) == cached  # each measure's dispatch entries dropped
         gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - before
+        # A dict does not shrink when entries are popped, and now and then its table is rebuilt
+        # larger (36 KiB once, in some orders of test files): that is not entries kept.
+        grown = tracemalloc.get_traced_memory()[0] - before - (sys.getsizeof(FakeTensorMode.cache) - table)
     finally:
         tracemalloc.stop()
     # The cache was the growth (BERT-base: ~0.27 MiB a plan); what is left is torch's bookkeeping
