@@ -312,13 +312,17 @@ def _step_hooks(optimizer, device: _FakeDevice, before: list, after: list):
         del optimizer.step
 
 
+def _device_query(func, args):
+    """A fake tensor's `prim.device` (asked of every tensor the autograd engine touches; no tensor
+    made) answered as the fake mode answers it, without its dispatch; None for any other op."""
+    return ti.fake_device(args) if func is ti.PRIM_DEVICE else None
+
+
 def _estimate_count(self, func, types, args=(), kwargs=None):
-    """The counting mode's dispatch, a fake tensor's `prim.device` (asked of every tensor the
-    autograd engine touches; no tensor made) answered as the fake mode answers it."""
-    if func is ti.PRIM_DEVICE:
-        device = ti.fake_device(args)
-        if device is not None:
-            return device
+    """The counting mode's dispatch, device queries answered first (`_device_query`)."""
+    device = _device_query(func, args)
+    if device is not None:
+        return device
     return _count(self, func, types, args, kwargs)
 
 

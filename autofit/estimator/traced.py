@@ -13,8 +13,7 @@ import functools
 
 import torch
 
-from autofit import torch_internals as ti
-from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter
+from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter, _device_query
 from autofit.estimator.fakes import fake_optimizer, warm
 from autofit.estimator.repeated import cut_fake_model
 from autofit.gpu.simulate import _count, _CountingMode, _skipped_by_dynamo, _tensors
@@ -139,10 +138,9 @@ class _TracingMeter(_Meter):
 
 def _traced_count(self, func, types, args=(), kwargs=None):
     """The counting mode's dispatch, with the op's arguments shown to the meter while it counts."""
-    if func is ti.PRIM_DEVICE:  # a query, no tensor made: answered as the fake mode answers it
-        device = ti.fake_device(args)
-        if device is not None:
-            return device
+    device = _device_query(func, args)
+    if device is not None:
+        return device
     gpu = self.gpu
     gpu.op = (func, args, kwargs or {})
     try:
