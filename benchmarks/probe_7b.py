@@ -8,7 +8,7 @@ every linear layer (fp32 base), and the whole model with bf16 weights. Cards: 16
 total (the probe subtracts its 0.4 GiB context reserve). Global batch 4 x 512 tokens, causal-LM
 labels. Each probe runs in this process through `autofit.cli.main([... "--json"])`.
 
-    python benchmarks/probe_7b.py       # all 45 probes: 868 s on 2 shared cores (2026-12-03)
+    python benchmarks/probe_7b.py       # all 45 probes: 147 s idle, 868 s on 2 shared cores
     python benchmarks/probe_7b.py --models llama-2-7b,qwen2-7b --cards 24 --setups full,lora
 """
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from autofit.cli import main
-from autofit.commands import models, verdict
+from autofit.commands import finetune, models, verdict
 from autofit.estimator.capacity import Candidate
 from autofit.estimator.estimate import MemoryEstimate
 from autofit.plans.plan import Plan
@@ -225,6 +225,14 @@ def result(usable, optimizer="adamw", trainable="full", weights="fp32", trained=
             "trained_parameters": trained, "batch": batch}
 
 
+@pytest.fixture
+def every_package(monkeypatch):
+    """The verdict's options as where bitsandbytes and peft are installed (the sentences below are
+    exact whatever this machine has)."""
+    monkeypatch.setattr(verdict, "installed", lambda package: True)
+
+
+@pytest.mark.usefixtures("every_package")
 def test_verdict_when_the_optimizer_state_alone_exceeds_the_card():
     # 1000M parameters in fp32: 3.73 GiB each of weights and gradients, 7.45 GiB of AdamW state.
     n = 1000 * 10**6
@@ -246,9 +254,34 @@ def test_verdict_when_the_optimizer_state_alone_exceeds_the_card():
         "--trainable lora or --weights bf16 would fit without offload.")
 
 
+def test_an_option_whose_package_is_missing_says_which_to_install(monkeypatch):
+    asked = []
+    monkeypatch.setattr(verdict, "installed", lambda package: asked.append(package) or package == "peft")
+    n = 1000 * 10**6
+    offloaded = candidate(Plan(4, 2, offload_optimizer=True), True, params=4 * n, grads=4 * n, state=8 * n,
+                          activations=1 * GiB, reserved=9 * GiB)
+    assert verdict.sentence(result(12 * GiB, trained=n), [offloaded], offloaded) == (
+        "AdamW state (7.45 GiB) with parameters and gradients (7.45 GiB) exceeds the card's 12.00 GiB "
+        "usable: every fitting plan offloads the state to host memory; by this breakdown, --optimizer "
+        "adamw8bit (with bitsandbytes installed), --trainable lora or --weights bf16 would fit without "
+        "offload.")
+    assert asked == ["bitsandbytes", "peft"]  # asked for the options that need one, not for bf16 weights
+    monkeypatch.setattr(verdict, "installed", lambda package: False)
+    assert verdict.sentence(result(10 * GiB, trained=n), [offloaded], offloaded).endswith(
+        "by this breakdown, --optimizer sgd, --trainable lora (with peft installed) or --weights bf16 would "
+        "fit without offload.")
+
+
+def test_installed_finds_a_package_without_importing_it(monkeypatch):
+    assert finetune.installed("torch") and not finetune.installed("autofit_no_such_package")
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)
+    assert finetune.installed("json.tool") and "json.tool" not in sys.modules
+
+
 SMALL_STATES = dict(params=100 * MiB, grads=100 * MiB, state=200 * MiB)  # of a small model
 
 
+@pytest.mark.usefixtures("every_package")
 def test_verdict_when_activations_decide():
     whole = candidate(Plan(32, 1), False, **SMALL_STATES,
                       activations=2 * GiB, reserved=2600 * MiB)
@@ -284,6 +317,7 @@ def test_verdict_when_the_fastest_plan_fits():
         "the largest part (300.00 MiB); nothing needs to change.")
 
 
+@pytest.mark.usefixtures("every_package")
 def test_verdict_when_the_model_states_decide_and_when_nothing_fits():
     whole = candidate(Plan(8, 1), False, params=400 * MiB, grads=400 * MiB, state=800 * MiB,
                       activations=100 * MiB, reserved=1800 * MiB)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import warnings
 
@@ -30,6 +31,20 @@ OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with mom
                    "adamw8bit": "8-bit AdamW"}
 TRAINABLE = ("full", "frozen-base", "lora")
 WEIGHTS = ("fp32", "bf16")
+# The options that need a package autofit does not depend on: (flag, value) -> the package.
+NEEDS = {("--optimizer", "adamw8bit"): "bitsandbytes", ("--trainable", "lora"): "peft"}
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (the probe's verdict asks for each
+    option it suggests; importing bitsandbytes or peft would cost seconds)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def needs_text(flag: str, value: str) -> str:
+    """'--trainable lora needs peft: pip install peft.' for an option in NEEDS."""
+    package = NEEDS[(flag, value)]
+    return f"{flag} {value} needs {package}: pip install {package}."
 
 
 def optimizer_factory(name: str):
@@ -66,7 +81,7 @@ def _bitsandbytes():
         with _quiet_bitsandbytes():
             import bitsandbytes
     except ImportError:
-        raise UsageError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes.") from None
+        raise UsageError(needs_text("--optimizer", "adamw8bit")) from None
     return bitsandbytes
 
 
@@ -78,7 +93,7 @@ def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
         with _quiet_bitsandbytes():
             from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise UsageError("--trainable lora needs peft: pip install peft.") from None
+        raise UsageError(needs_text("--trainable", "lora")) from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)

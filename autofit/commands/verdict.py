@@ -15,12 +15,13 @@ The options it suggests are the ones whose saving, worked out from the estimate'
 (parameters, gradients, optimizer state), brings the peak within the usable bytes: another
 optimizer's state by its bytes per trained parameter, LoRA dropping the base's gradients and state,
 bf16 weights halving parameters, gradients and state. That arithmetic leaves the activations as they
-were, so the sentence says "by this breakdown": the probe rerun with the option is the answer.
+were, so the sentence says "by this breakdown": the probe rerun with the option is the answer. An
+option that needs a package not installed (8-bit AdamW: bitsandbytes; LoRA: peft) says so.
 """
 
 from __future__ import annotations
 
-from autofit.commands.finetune import OPTIMIZER_NAMES, plan_text
+from autofit.commands.finetune import NEEDS, OPTIMIZER_NAMES, installed, plan_text
 from autofit.sizes import format_size
 
 # Optimizer state per trained parameter (fp32 weights), heaviest first: the suggestion is the
@@ -92,7 +93,7 @@ def _fewer_activations(batch: dict) -> str:
 
 def _options(result: dict, candidate, outcome: str, fallback: str = "") -> str:
     """'; by this breakdown, --optimizer sgd or --trainable lora would {outcome}' (or `fallback`)."""
-    found = fitting_options(result, candidate)
+    found = [_with_package(option) for option in fitting_options(result, candidate)]
     if not found:
         return fallback
     listed = found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
@@ -123,6 +124,13 @@ def fitting_options(result: dict, candidate) -> list[str]:
     if result["weights"] == "fp32" and on_device - (resident["params"] + resident["grads"] + state) / 2 <= usable:
         found.append("--weights bf16")
     return found
+
+
+def _with_package(option: str) -> str:
+    """An option as the user can run it: '--trainable lora (with peft installed)' where it needs a
+    package that is not installed (the probe itself refuses the option without it)."""
+    package = NEEDS.get(tuple(option.split(" ", 1)))
+    return option if package is None or installed(package) else f"{option} (with {package} installed)"
 
 
 def _resident(candidate) -> dict:
