@@ -429,6 +429,21 @@ def test_lora_plans_with_checkpointing_are_priced(capsys):
     assert got["trained_parameters"] == 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64)) == 8192
 
 
+def test_a_model_peft_refuses_lora_on_is_a_usage_error(tmp_path, capsys):
+    pytest.importorskip("peft")
+    # peft refuses LoRA on Mamba's out_proj, which "all-linear" picks: exit 2, with peft's reason
+    config = transformers.MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=64, state_size=4,
+                                      architectures=["MambaForCausalLM"])
+    code = main(["probe", "--gpu-mem", "1GiB", "--model", _saved(tmp_path / "mamba", config), *SMALL,
+                 "--trainable", "lora"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.startswith("autofit: error: --trainable lora: peft cannot put LoRA on every linear layer of "
+                          "MambaForCausalLM: [PEFT:PeftType.LORA] Module 'out_proj' is incompatible")
+    assert err.rstrip().endswith("Use --trainable frozen-base or full, or build the LoRA model yourself and "
+                                 "pass it as --model module:function.")
+
+
 def test_verify_trains_the_fine_tune_the_probe_priced(capsys, monkeypatch):
     """--verify on a CUDA machine; here autofit.run gets a simulated card of the budget's size."""
     import autofit

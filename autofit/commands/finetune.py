@@ -98,7 +98,14 @@ def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
-        return get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear"))
+        try:
+            return get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear"))
+        except ValueError as refusal:
+            # peft refuses some layers for some architectures (Mamba's out_proj and conv1d): that is
+            # the model's limit, not a fault in the probe, so it is said as a usage error.
+            raise UsageError(f"--trainable lora: peft cannot put LoRA on every linear layer of "
+                             f"{type(model).__name__}: {refusal} Use --trainable frozen-base or full, or "
+                             f"build the LoRA model yourself and pass it as --model module:function.") from None
 
 
 def prepare(model: torch.nn.Module, *, trainable: str, lora_rank: int, weights: str) -> torch.nn.Module:
