@@ -189,6 +189,15 @@ def disable_current_modes():
     return _disable_current_modes()
 
 
+GROUPED_MM_META = "torch._meta_registrations.meta_grouped_mm"
+
+
+def grouped_mm_meta(mat_a, mat_b, offs, bias, out_dtype):
+    """torch's own meta kernel of aten::_grouped_mm (autofit.estimator.meta_kernels widens it to
+    the dtypes the real kernels run; registered at the Meta key, it is called by its Python name)."""
+    return _resolve(GROUPED_MM_META)(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+
 def flash_attention(*args, **kwargs):
     """aten's flash SDPA kernel: what a CUDA card runs for SDPA in low precision (its memory)."""
     return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)

@@ -74,6 +74,7 @@ from autofit import torch_internals as ti
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.interfaces import Batch, LossFn, OptimizerArg
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
+from autofit.estimator.meta_kernels import widened
 from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
 from autofit.gpu.device import SimulatedDevice, _map_tensors
@@ -601,7 +602,7 @@ class Estimator:
         attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
-            with self.mode, attention, self._counting_mode(meter), \
+            with self.mode, attention, widened(), self._counting_mode(meter), \
                     _step_hooks(self.optimizer, device, self._before_step, [meter.step_ends]):
                 with meter.as_kind("params"):
                     meter.track(params)
