@@ -304,6 +304,43 @@ def test_probe_config_json(capsys, tmp_path):
     assert (got["model"], got["model_class"]) == (str(tmp_path), "BertForSequenceClassification")
 
 
+def test_probe_rows_too_short_for_the_model_name_seq_len(capsys, tmp_path):
+    # a wav2vec2's feature convolutions need longer rows of raw samples than 32: the error is the
+    # model's, the way out is a larger --seq-len, and with one the same config is estimated
+    import transformers
+    transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                conv_dim=(8,) * 7, architectures=["Wav2Vec2ForSequenceClassification"]
+                                ).to_json_file(str(tmp_path / "config.json"))
+    argv = ["probe", "--gpu-mem", "2GiB", "--model", str(tmp_path), "--batch-size", "2"]
+    assert main(argv + ["--seq-len", "32"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"autofit: cannot estimate this model: a training step of {tmp_path} on its sample batch "
+                   f"(Wav2Vec2ForSequenceClassification, 0.03M parameters; batch input_values[2, 32], labels[2]) "
+                   f"failed: RuntimeError: Calculated padded input size per channel: (2). Kernel size: (3). "
+                   f"Kernel size can't be greater than actual input size. If the model needs longer rows than "
+                   f"--seq-len 32 gives (32 audio samples), pass a larger --seq-len.\n")
+    assert main(argv + ["--seq-len", "4000"]) == 0  # 12 frames: room for its 10-frame time masks
+
+
+def test_probe_rows_from_the_config_get_no_seq_len_hint(capsys, user_module):
+    # an image's size comes from the config: --seq-len cannot help, so the reason does not name it
+    user_module("af_cli_vit", """
+        import torch, transformers
+
+        def build(batch_size):
+            config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=64, image_size=32, patch_size=8)
+            model = transformers.ViTForImageClassification(config)
+            return model, {"pixel_values": torch.zeros(batch_size, 3, 16, 16), "labels": torch.zeros(batch_size, dtype=torch.long)}
+    """)
+    assert main(["probe", "--gpu-mem", "2GiB", "--model", "af_cli_vit:build", "--batch-size", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("autofit: cannot estimate this model: a training step of af_cli_vit:build on its "
+                          "sample batch (ViTForImageClassification, ")
+    assert "--seq-len" not in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_probe_bert_base_on_2gib(capsys):
     """The design's headline: BERT-base (the default), 32 x 128, on a 2 GiB card, no GPU."""

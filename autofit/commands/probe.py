@@ -82,6 +82,11 @@ def cmd_probe(args) -> int:
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
+        if described["row_length"] == "seq_len":  # a model may refuse rows too short for it
+            # (a wav2vec2's convolutions need some 400 samples a row; the error names a kernel size)
+            reason = reason.rstrip(".") + (f". If the model needs longer rows than --seq-len "
+                                           f"{args.seq_len} gives ({described['row']}), pass a larger "
+                                           f"--seq-len.")
         return _cannot_estimate(args, _no_plan(header, reason))
     chosen = capacity.choose(candidates)
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
