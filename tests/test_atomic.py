@@ -1,9 +1,12 @@
 """Guarantee 2: an optimizer step is applied whole or not at all."""
 
+import collections
 import copy
+import signal
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofit
 from autofit.engine.atomic import AtomicStep, PartialUpdateError
@@ -260,3 +263,155 @@ def test_a_fault_at_every_allocation_of_a_step_in_a_run_never_replays_a_partial_
             assert not is_oom(outcome)
             assert optimizer.calls == 3, index       # never called again on top of itself
             assert set(steps) <= {2, 3}, index       # the failed step applied at most once
+
+
+class SigintAt(TorchDispatchMode):
+    """Sends SIGINT (Ctrl-C) to this process at the `index`-th aten op; Python's handler raises
+    KeyboardInterrupt at the next bytecode, as for a real Ctrl-C."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index, self.seen = index, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen += 1
+        if self.seen - 1 == self.index:
+            signal.raise_signal(signal.SIGINT)
+        return func(*args, **(kwargs or {}))
+
+
+def test_ctrl_c_inside_a_step_without_a_snapshot_is_held_until_the_update_is_whole():
+    """A step known to fit runs without a snapshot; Ctrl-C at any op of foreach AdamW (which
+    updates exp_avg and the step counter before the parameters) used to leave a mixed state. It is
+    held until the step ends, then raised: parameters and state both after, as one clean step."""
+    with autofit.simulate_gpu() as gpu:
+        model, optimizer, device = _setup(gpu, 1)
+        twin = _twin(model, optimizer)
+        twin[1].step()
+        after = _in_order(*twin)
+        ops = SigintAt(10 ** 9)
+        with ops:
+            optimizer.step()
+    assert ops.seen > 10
+    for index in range(ops.seen):
+        with autofit.simulate_gpu() as gpu:
+            model, optimizer, device = _setup(gpu, 1)
+            atomic = AtomicStep(optimizer, device)
+            with pytest.raises(KeyboardInterrupt):
+                with SigintAt(index):
+                    atomic(optimizer.step, guard=False)
+            assert atomic.snapshots == 0
+            assert _in_order(model, optimizer) == after, index
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the user's handler is back
+
+
+def _in_order(model, optimizer):
+    """The parameters' values and their state's, in the model's order (comparable across copies)."""
+    return [(p.tolist(), sorted((k, v.tolist() if torch.is_tensor(v) else v)
+                                for k, v in optimizer.state.get(p, {}).items()))
+            for p in model.parameters()]
+
+
+class HistorySGD(torch.optim.SGD):
+    """Keeps a list of tensors and a dict holding a tensor in its state (mutated in place), and
+    runs out of memory once, after changing them, when `fail` is set."""
+
+    fail = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state.setdefault("history", []).append(p.grad.norm())
+                state.setdefault("seen", {"n": torch.zeros(())})["n"].add_(1.0)
+        if HistorySGD.fail:
+            HistorySGD.fail = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected after a partial update)")
+        return super().step()
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer that wraps another (Lookahead's layout): the inner one's moments live in its own
+    state, the wrapper's slow weights in the wrapper's, the param_groups are shared."""
+
+    def __init__(self, base):
+        self.base_optimizer = base
+        self.param_groups, self.defaults = base.param_groups, base.defaults
+        self.state = collections.defaultdict(dict)
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            setattr(self, name, collections.OrderedDict())
+        for group in self.param_groups:
+            group.setdefault("slow_steps", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.base_optimizer.step()
+        for group in self.param_groups:
+            group["slow_steps"] += 1
+            for p in group["params"]:
+                slow = self.state[p].setdefault("slow", p.detach().clone())
+                slow.add_(p - slow, alpha=0.5)
+        if HistorySGD.fail:
+            HistorySGD.fail = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected after a partial update)")
+
+
+def _state_of(optimizer):
+    """Every tensor value of the optimizer's state and of the one it wraps, in order, and the groups."""
+    from autofit.engine.optimizer_state import holders, tensors
+    out = [[t.clone() for entry in h.state.values() for v in entry.values() for t in tensors(v)]
+           for h in holders(optimizer)]
+    return out, [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("make", [lambda ps: HistorySGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: Wrapper(torch.optim.AdamW(ps, foreach=False))],
+                         ids=["lists-and-dicts-in-state", "wrapped-optimizer"])
+@pytest.mark.parametrize("params", [True, False], ids=["on-device", "offloaded-snapshot"])
+def test_state_in_containers_and_in_a_wrapped_optimizer_is_rolled_back(make, params):
+    """The rollback copies what a step can change at any depth: a list appended to, a dict's tensor
+    changed in place, the wrapped optimizer's moments and step counters; the retry then equals one
+    clean step (nothing applied twice)."""
+    def build(device=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        if device is not None:
+            device.place_model(model)
+        optimizer = make(model.parameters())
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        for i in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if i < 2:
+                optimizer.step()
+        return model, optimizer
+
+    twin = build()
+    twin[1].step()
+    with autofit.simulate_gpu() as gpu:
+        device = SimulatedDevice(gpu)
+        model, optimizer = build(device)
+        params_before = [p.detach().clone() for p in model.parameters()]
+        state_before = _state_of(optimizer)
+        atomic = AtomicStep(optimizer, device)
+        HistorySGD.fail = True
+        with pytest.raises(torch.OutOfMemoryError, match="update rolled back"):
+            atomic(optimizer.step, guard=True, params=params)
+        if params:
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params_before))
+        state_after_rollback = _state_of(optimizer)
+        assert len(state_after_rollback[0]) == len(state_before[0])
+        assert all(len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))
+                   for a, b in zip(state_after_rollback[0], state_before[0]))
+        assert state_after_rollback[1] == state_before[1]
+        if not params:  # the offloaded step writes the parameters only once applied: put them back
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), params_before):
+                    p.copy_(saved)
+        atomic(optimizer.step, guard=True, params=params)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin[0].parameters()))
+    got, want = _state_of(optimizer), _state_of(twin[1])
+    assert all(len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))
+               for a, b in zip(got[0], want[0]))
+    assert got[1] == want[1]

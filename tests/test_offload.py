@@ -6,6 +6,8 @@ import copy
 import functools
 import io
 import itertools
+import signal
+import sys
 
 import pytest
 import torch
@@ -538,3 +540,70 @@ def test_fp16_with_a_grad_scaler_under_offload_matches_the_plain_loop():
         ref_opt.zero_grad(set_to_none=True)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+class InterruptAtLine:
+    """Sends SIGINT (Ctrl-C) to this process at the `index`-th line the offloaded step's own Python
+    code runs (Offload's step, write-back and copy): the places no aten op marks (the swap back,
+    the group options put back). Python's handler raises KeyboardInterrupt at the next bytecode
+    it checks for signals, as it does for a real Ctrl-C."""
+
+    CODES = {f.__code__ for f in (Offload.step, Offload._finish, Offload._copy_back)}
+
+    def __init__(self, index):
+        self.index, self.seen = index, 0
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code not in self.CODES:
+            return None
+        return self.local
+
+    def local(self, frame, event, arg):
+        if event == "line":
+            self.seen += 1
+            if self.seen - 1 == self.index:
+                signal.raise_signal(signal.SIGINT)
+        return self.local
+
+
+def _interrupted_at_line(index, data):
+    model, opt, sched = _build("AdamW", "StepLR")
+    tracer, raised, before = InterruptAtLine(index), None, None
+    with autofit.simulate_gpu() as gpu:
+        try:
+            with autofit.stepper(model, opt, loss_fn=loss_fn, scheduler=sched, precision="fp32",
+                                 ladder=offload_optimizer(), cache=False, max_grad_norm=0.5) as step:
+                for i, batch in enumerate(data):
+                    if i == 0:
+                        gpu.fail_at(gpu.allocation_count)  # the first step offloads
+                    if i == 2:
+                        with gpu.untracked():
+                            before = _snapshot(model, opt)
+                        sys.settrace(tracer)
+                    try:
+                        step(batch)
+                    finally:
+                        sys.settrace(None)
+        except KeyboardInterrupt as e:
+            raised = e
+        on_device = all(gpu.holds(p) for p in model.parameters())
+    return model, opt, before, tracer.seen, raised, on_device
+
+
+def test_an_interrupt_at_every_line_of_an_offloaded_step_leaves_it_whole_and_on_the_device():
+    data = batches(n=3)
+    ref_before = plain("AdamW", "StepLR", None, data, max_norm=0.5, steps=2)
+    ref_after = plain("AdamW", "StepLR", None, data, max_norm=0.5, steps=3, interrupted=True)
+    before, after = _snapshot(*ref_before[:2]), _snapshot(*ref_after[:2])
+    *_, lines, raised, _ = _interrupted_at_line(10 ** 9, data)
+    assert raised is None and lines > 30
+    outcomes = []
+    for index in range(lines):
+        model, opt, _, _, raised, on_device = _interrupted_at_line(index, data)
+        assert isinstance(raised, KeyboardInterrupt), index
+        assert on_device, index  # never left swapped to the host buffers
+        outcomes.append("before" if _equal(before, model, opt) else "after" if _equal(after, model, opt)
+                        else "mixed")
+    assert "mixed" not in outcomes
+    assert outcomes[0] == "before" and outcomes[-1] == "after"
+    assert outcomes == sorted(outcomes, key=["before", "after"].index)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autofit.engine import optimizer_state
 from autofit.engine.batches import _fields
 from autofit.diagnosis.culprits import locate
 from autofit.diagnosis.graphs import _key, _nbytes, graph_bytes
@@ -191,8 +192,7 @@ class LeakWatch:
         model, opt = self.runner.model, self.runner.optimizer
         tensors = list(model.parameters()) + list(model.buffers())
         tensors += [p.grad for p in model.parameters() if p.grad is not None]
-        for state in opt.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += optimizer_state.state_tensors(opt)
         scaler = getattr(self.runner, "scaler", None)
         if scaler is not None:
             tensors += [v for v in vars(scaler).values() if isinstance(v, torch.Tensor)]

@@ -11,7 +11,8 @@ a steady run pays nothing. A fast-path step that fails anyway cannot be undone; 
 `PartialUpdateError` instead of being retried on top of itself.
 
 A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
-rolled back as well, and the error propagates as raised. An offloaded step (offload.py) is always
+rolled back as well, and the error propagates as raised. A step without a snapshot holds Ctrl-C
+until it ends (`interrupts.SigintHold`), then raises it: parameters and state both after the update. An offloaded step (offload.py) is always
 guarded, by a snapshot of the state alone: it writes the device parameters only once its update is
 done, and its host copies are written again at every step instead of allocated.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from autofit.engine import interrupts, optimizer_state
 from autofit.errors import PartialUpdateError
 from autofit.gpu.oom import is_oom, summarize
 from autofit.engine.replay import restore_groups, save_groups
@@ -35,84 +37,35 @@ def _params(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard (no collective), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)  # DTensor's; torch.distributed may not be built
-    return to_local() if to_local is not None else tensor
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return _local(tensor.detach()).to("cpu", copy=True)
-
-
-def _like(saved: torch.Tensor, model: torch.Tensor, device) -> torch.Tensor:
-    """`saved` (a host copy of a local shard) back on `device`, a DTensor again when `model` is one."""
-    value = saved.to(device)
-    if hasattr(model, "to_local"):
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(value, model.device_mesh, model.placements, shape=model.shape,
-                                  stride=model.stride(), run_check=False)
-    return value
-
-
 class Snapshot:
-    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate.
-    `params=False`: the parameters are left out (an offloaded step writes them only once it is
-    applied, see offload.py); the state is still restored for every parameter. `spare`: the host
-    copies of an earlier snapshot that nothing else holds, written again instead of allocated."""
+    """Host copies of the parameters, optimizer state and param_groups an optimizer step may mutate
+    (the state of every optimizer it wraps, at any depth: `optimizer_state.Copy`). `params=False`:
+    the parameters are left out (an offloaded step writes them only once it is applied, see
+    offload.py); the state is still restored for every parameter. `spare`: the host copies of an
+    earlier snapshot that nothing else holds, written again instead of allocated."""
 
     def __init__(self, optimizer, device, params: bool = True, spare: dict | None = None):
         self.optimizer = optimizer
-        spare = spare or {}
-
-        def copy_of(p, k, v):
-            kept = spare.get((id(p), k))
-            if kept is not None and type(v) is torch.Tensor and kept.shape == v.shape \
-                    and kept.dtype == v.dtype and kept.stride() == v.stride():
-                return kept.copy_(v.detach())
-            return _host_copy(v)
         with torch.no_grad(), device.host():
-            self.params = [(p, _host_copy(p) if params else None) for p in _params(optimizer)]
-            self.state = {}
-            self.kinds = {}  # (param, key) -> the state tensor as it was (to rebuild a DTensor from)
-            for p, _ in self.params:
-                if p in optimizer.state:
-                    self.state[p] = {k: (copy_of(p, k, v) if isinstance(v, torch.Tensor) else v)
-                                     for k, v in optimizer.state[p].items()}
-                    self.kinds.update({(p, k): v for k, v in optimizer.state[p].items()
-                                       if isinstance(v, torch.Tensor)})
-            self.groups = save_groups(optimizer)  # some optimizers count steps in the group
+            self.params = [(p, optimizer_state.host_copy(p) if params else None) for p in _params(optimizer)]
+            self.state = optimizer_state.Copy(optimizer, spare)
+            # some optimizers count steps in the group; a wrapper may keep groups of its own
+            self.groups = [(opt, save_groups(opt)) for opt in optimizer_state.group_owners(optimizer)]
 
     def spare(self) -> dict:
-        """{(id(param), key): host copy} for the next snapshot, once this one is not needed (a
-        restore may hand these copies to the optimizer: never after one)."""
-        return {(id(p), k): v for p, s in self.state.items() for k, v in s.items()
-                if isinstance(v, torch.Tensor)}
+        """The state's host copies for the next snapshot, once this one is not needed (a restore
+        may hand these copies to the optimizer: never after one)."""
+        return self.state.spare()
 
     def restore(self) -> None:
         """Copy everything back in place; state made by the failed step is dropped."""
-        state = self.optimizer.state
-        restore_groups(self.optimizer, self.groups)
+        for opt, groups in self.groups:
+            restore_groups(opt, groups)
         with torch.no_grad():
             for p, saved in self.params:
                 if saved is not None:
-                    _local(p).copy_(saved)
-                if p not in self.state:
-                    state.pop(p, None)
-                    continue
-                current = state.get(p, {})
-                for k, v in self.state[p].items():
-                    now = current.get(k)
-                    if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) \
-                            and _local(now).shape == v.shape and now.dtype == v.dtype:
-                        _local(now).copy_(v)
-                    elif isinstance(v, torch.Tensor):
-                        current[k] = _like(v, self.kinds[p, k], p.device if now is None else now.device)
-                    else:
-                        current[k] = v
-                for k in set(current) - set(self.state[p]):
-                    del current[k]
-                state[p] = current
+                    optimizer_state.local(p).copy_(saved)
+        self.state.restore()
 
 
 class AtomicStep:
@@ -149,8 +102,15 @@ class AtomicStep:
         self.outer_peak = self.device.max_memory_allocated()
         self.device.reset_peak_memory_stats()
         failure = None
+        # Without a snapshot nothing can undo a half-applied update: Ctrl-C waits for its end.
+        sigint = interrupts.SigintHold() if snapshot is None else None
         try:
-            step_fn()
+            if sigint is None:
+                step_fn()
+            else:
+                with sigint:
+                    sigint.hold()
+                    step_fn()
         except BaseException as error:
             if not is_oom(error):
                 if snapshot is not None:  # an interrupt or another error: propagates, rolled back
@@ -163,6 +123,8 @@ class AtomicStep:
             self.need[key] = max(step_peak - before, 0)
             if snapshot is not None and not params:
                 self._spare = snapshot.spare()
+            if sigint is not None:
+                sigint.deliver()  # the update is whole: the Ctrl-C held during it is raised now
             return
         # Out of the except block: the failed step's frames and temporaries are gone.
         if snapshot is None:

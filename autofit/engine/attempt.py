@@ -19,10 +19,10 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-import torch
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from tenacity.stop import stop_base
 
+from autofit.engine import optimizer_state
 from autofit.engine.withdrawal import error_text
 from autofit.errors import MemoryNotReleased
 from autofit.gpu import fragmentation
@@ -95,8 +95,7 @@ def outside(device, model=None, optimizer=None):
             known |= {id(t.untyped_storage()) for t in model.parameters()}
             known |= {id(t.untyped_storage()) for t in model.buffers()}
         if optimizer is not None:
-            for entry in optimizer.state.values():
-                known |= {id(v.untyped_storage()) for v in entry.values() if isinstance(v, torch.Tensor)}
+            known |= {id(v.untyped_storage()) for v in optimizer_state.state_tensors(optimizer)}
         return [t for t in device.live_tensors() if id(t.untyped_storage()) not in known]
     return holders
 

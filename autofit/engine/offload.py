@@ -24,9 +24,10 @@ values back; `bytes_moved`), and the update runs at host speed.
 
 Consistency: the device parameters are untouched until the write-back; a failure before it (an OOM,
 a KeyboardInterrupt) leaves them as they were, and the atomic step restores the host state from its
-snapshot (`atomic.Snapshot(params=False)`). Once the write-back has begun the update is applied: an
-interrupt there is held until every parameter is written (`interrupted`), then raised by the runner
-after the step, with parameters and state both after the update.
+snapshot (`atomic.Snapshot(params=False)`). Once the host update is done it is applied: Ctrl-C is
+held from then until every parameter is written back and the swaps undone (`interrupts.SigintHold`;
+an error a write-back copy raises is held too, `interrupted`), then raised by the runner after the
+step, with parameters and state both after the update and the parameters on the device.
 
 Where the state is: on the host from the first offloaded step (and right after a `load_state_dict`,
 which torch places on the parameters' device) until a plan without offload takes it back to the
@@ -43,7 +44,9 @@ import inspect
 
 import torch
 
+from autofit.engine import interrupts, optimizer_state
 from autofit.errors import PartialUpdateError
+from autofit.gpu.device import _map_tensors
 from autofit.gpu.oom import is_oom
 
 _HOST_OFF = ("capturable",)  # group options that need device tensors: off while the host steps
@@ -68,6 +71,7 @@ class Offload:
         self.optimizer, self.device = optimizer, device
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(p) -> (values, grad)
         self.interrupted: BaseException | None = None  # held during the write-back, raised after it
+        self.sigint = interrupts.SigintHold()  # Ctrl-C held from the host update to the write-back's end
         self.bytes_moved = 0  # host <-> device bytes of the last step
         # load_state_dict places the state on the parameters' device: take it back to the host.
         self._hook = optimizer.register_load_state_dict_post_hook(lambda opt: self.to_host())
@@ -91,24 +95,25 @@ class Offload:
         self.bytes_moved = 0
         staged = []  # (param, its device data, its device grad)
         options = []
-        try:
-            with torch.no_grad(), self.device.host():
-                for p in params_of(self.optimizer):
-                    if self.device.on_device(p):
-                        staged.append((p, p.data, p.grad))  # before the swap: undone whatever happens
-                        self._stage(p)
-            for group in self.optimizer.param_groups:
-                options.append({k: group[k] for k in _HOST_OFF if k in group})
-                group.update({k: False for k in options[-1]})
-            with self.device.host():
-                run()
-        except BaseException:
-            self._unstage(staged, write=False)
-            raise
-        finally:
-            for group, kept in zip(self.optimizer.param_groups, options):
-                group.update(kept)
-        self._unstage(staged, write=True)
+        applied = False
+        with self.sigint:
+            try:
+                with torch.no_grad(), self.device.host():
+                    for p in params_of(self.optimizer):
+                        if self.device.on_device(p):
+                            staged.append((p, p.data, p.grad))  # before the swap: undone whatever happens
+                            self._stage(p)
+                for group in self.optimizer.param_groups:
+                    options.append({k: group[k] for k in _HOST_OFF if k in group})
+                    group.update({k: False for k in options[-1]})
+                with self.device.host():
+                    run()
+                # The update is done on the host: from here Ctrl-C is held until it is written
+                # back (one arriving before this line leaves it unapplied, the snapshot restores).
+                self.sigint.hold()
+                applied = True
+            finally:
+                self._finish(staged, options, write=applied)
 
     def _stage(self, p) -> None:
         values, grad = self._buffer(p)
@@ -137,61 +142,77 @@ class Offload:
             self.buffers[id(p)] = kept
         return kept
 
-    def _unstage(self, staged, write: bool) -> None:
-        """Undo the swaps; with `write`, first copy each staged parameter back in place. An
-        interrupt during the write-back is held until every parameter is written: the update is then
-        applied whole (an OOM there, which an in-place copy cannot cause, is not replayed)."""
+    def _finish(self, staged, options, write: bool) -> None:
+        """Put the group options back and undo the swaps; with `write` (the update is applied),
+        first copy each staged parameter back in place. A copy that raises is made again (an
+        in-place copy cannot run out of memory); one that fails twice stops the run with
+        PartialUpdateError once every swap is undone."""
+        for group, kept in zip(self.optimizer.param_groups, options):
+            group.update(kept)
+        failed = None
         for p, data, grad in staged:
-            if write:
-                try:
-                    data.copy_(p.data)
-                except BaseException as error:
-                    self.interrupted = self.interrupted or error
-                    try:
-                        data.copy_(p.data)
-                    except BaseException as again:
-                        raise PartialUpdateError(
-                            f"the offloaded update could not be written back to the device ({again!r}); "
-                            f"some parameters hold it and some do not, so the run stops here.") from again
+            if write and failed is None:
+                failed = self._copy_back(data, p)
             p.grad = None
             p.data = data
             p.grad = grad
-        if self.interrupted is not None and is_oom(self.interrupted):
-            self.interrupted = None  # the copy was done again: nothing is missing
+        if failed is not None:
+            raise PartialUpdateError(
+                f"the offloaded update could not be written back to the device ({failed!r}); some "
+                f"parameters hold it and some do not, so the run stops here.") from failed
+
+    def _copy_back(self, data, p) -> BaseException | None:
+        """Copy the host update into the device tensor, once more if the first copy raised (an
+        error other than OOM is held and raised after the step); the second copy's error, or None."""
+        try:
+            data.copy_(p.data)
+            return None
+        except BaseException as error:
+            if not is_oom(error):
+                self.interrupted = self.interrupted or error
+        try:
+            data.copy_(p.data)
+        except BaseException as again:
+            return again
+        return None
 
     def raise_interrupted(self) -> None:
-        """Raise an interrupt held during the last write-back (the update is applied)."""
+        """Raise an interrupt held during the last write-back (the update is applied): a Ctrl-C
+        (`interrupts.SigintHold`), or an error a first copy raised."""
+        self.sigint.deliver()
         error, self.interrupted = self.interrupted, None
         if error is not None:
             raise error
 
 
 def to_host(optimizer, device) -> None:
-    """Replace every state tensor of `optimizer` held on the device by a host copy."""
+    """Replace every state tensor held on the device by a host copy: those of every optimizer it
+    wraps too, and those inside lists, tuples and dicts (`optimizer_state`)."""
     on_device = device.on_device
     with torch.no_grad(), device.host():
-        for state in list(optimizer.state.values()):
-            for k, v in list(state.items()):
-                if isinstance(v, torch.Tensor) and on_device(v):
-                    state[k] = v.detach().to("cpu", copy=True)
+        optimizer_state.map_state(
+            optimizer, lambda v: v.detach().to("cpu", copy=True) if on_device(v) else v)
 
 
 def to_device(optimizer, device) -> None:
     """Bring host state back next to device parameters, as torch's load_state_dict places it:
     `step` counters stay on the host unless the group is capturable or fused."""
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            device_step = bool(group.get("capturable") or group.get("fused"))
-            for p in group["params"]:
-                state = optimizer.state.get(p)
-                if not state or not device.on_device(p):
-                    continue
-                for k, v in list(state.items()):
-                    if not isinstance(v, torch.Tensor) or device.on_device(v):
+        for holder in optimizer_state.holders(optimizer):
+            for group in holder.param_groups:
+                device_step = bool(group.get("capturable") or group.get("fused"))
+                for p in group["params"]:
+                    state = holder.state.get(p)
+                    if not state or not device.on_device(p):
                         continue
-                    if k == "step" and not device_step:
-                        continue
-                    state[k] = device.to_device(v)
+                    for k, v in list(state.items()):
+                        if k == "step" and not device_step:
+                            continue
+                        if isinstance(v, torch.Tensor):
+                            if not device.on_device(v):
+                                state[k] = device.to_device(v)
+                        elif optimizer_state.tensors(v):
+                            state[k] = _map_tensors(v, lambda t: t if device.on_device(t) else device.to_device(t))
 
 
 def offload_problem(optimizer) -> str | None:

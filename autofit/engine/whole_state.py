@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from autofit.engine import optimizer_state
+
 
 def host_copy(obj):
     """A deep copy with every tensor copied to host memory (load_state_dict puts them back)."""
@@ -51,28 +53,17 @@ class Tensors:
 
 
 class OptimizerState:
-    """An optimizer's state: each parameter's dict, what it held and its tensors' values."""
+    """An optimizer's state (every optimizer it wraps, values at any depth), put back into the same
+    dicts and tensors (what a measurement's steps added goes): `optimizer_state.Copy`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
 
     def capture(self) -> None:
-        optimizer = self.optimizer
-        self.state = {p: (s, dict(s)) for p, s in optimizer.state.items()}  # each dict, and what it held
-        self.values = {p: {k: v.detach().to("cpu", copy=True) for k, v in held.items()
-                           if isinstance(v, torch.Tensor)} for p, (_, held) in self.state.items()}
+        self.copy = optimizer_state.Copy(self.optimizer)
 
     def restore(self) -> None:
-        optimizer = self.optimizer
-        with torch.no_grad():
-            for p in [p for p in optimizer.state if p not in self.state]:
-                del optimizer.state[p]
-            for p, (s, held) in self.state.items():
-                s.clear()
-                s.update(held)
-                for k, v in self.values[p].items():
-                    s[k].copy_(v)
-                optimizer.state[p] = s
+        self.copy.restore()
 
 
 class StateDicts:
