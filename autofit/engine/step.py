@@ -25,6 +25,7 @@ from autofit.engine.kept import detached, loss_and_kept
 from autofit.errors import NoLossError
 from autofit.plans.sizelog import config_of
 from autofit.engine.offload import Offload, to_device
+from autofit.engine.per_parameter import ForeachOff
 from autofit.engine.token_loss import weightless
 
 if TYPE_CHECKING:
@@ -71,7 +72,10 @@ def compute_loss(model, batch, loss_fn=None, items=None, keep=None) -> torch.Ten
 def per_parameter_hook(runner: StepRunner, plan: Plan) -> None:
     """The per-parameter step's switch (plans/switches.py): the groups' `foreach` off. An offloaded
     step runs on the host, where it changes nothing: it is on only without offload."""
-    runner._per_parameter(plan.per_parameter_step and not plan.offload_optimizer)
+    if plan.per_parameter_step and not plan.offload_optimizer:
+        runner.foreach_off.on()
+    else:
+        runner.foreach_off.off()
 
 
 def offload_hook(runner: StepRunner, plan: Plan) -> None:
@@ -110,7 +114,7 @@ class StepRunner:
         # Where the current attempt is (ladder.PHASES), set as each part of it starts and reset by
         # every attempt; read by the controller after an OOM (never parsed from the error's text).
         self.phase = ""
-        self._foreach = None  # the groups' own `foreach` while a per-parameter step is on
+        self.foreach_off = ForeachOff(optimizer)  # the per-parameter step's switch
         # before_backward(loss): called with the first micro-batch's loss of every attempt (the
         # controller's start state keeps the entry gradients of the leaves it reaches).
         self.before_backward = None
@@ -136,18 +140,6 @@ class StepRunner:
             to_device(self.optimizer, self.device)  # state left on the host by an earlier offload
         self._placed = True
 
-    def _per_parameter(self, on: bool) -> None:
-        groups = self.optimizer.param_groups
-        if on:
-            if self._foreach is None:
-                self._foreach = [g.get("foreach") for g in groups]
-            for g in groups:  # every time: an attempt's restore may have put the groups back
-                g["foreach"] = False
-        elif self._foreach is not None:
-            for g, own in zip(groups, self._foreach):
-                g["foreach"] = own
-            self._foreach = None
-
     def not_applicable(self, plan) -> str | None:
         """Why `plan` cannot run for this model, optimizer and device (a move to skip), or None."""
         return not_applicable(plan, self.model, self.optimizer, self.device, self.checkpointing)
@@ -159,7 +151,7 @@ class StepRunner:
         if self.offloaded is not None:
             self.offloaded.close()
             self.offloaded = None
-        self._per_parameter(False)
+        self.foreach_off.off()
 
     def abandon(self) -> None:
         """Forget a failed attempt: gradients, kept outputs and scaler bookkeeping go back to before it."""
