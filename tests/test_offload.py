@@ -595,6 +595,7 @@ def test_an_interrupt_at_every_line_of_an_offloaded_step_leaves_it_whole_and_on_
     ref_before = plain("AdamW", "StepLR", None, data, max_norm=0.5, steps=2)
     ref_after = plain("AdamW", "StepLR", None, data, max_norm=0.5, steps=3, interrupted=True)
     before, after = _snapshot(*ref_before[:2]), _snapshot(*ref_after[:2])
+    handler = signal.getsignal(signal.SIGINT)
     *_, lines, raised, _ = _interrupted_at_line(10 ** 9, data)
     assert raised is None and lines > 30
     outcomes = []
@@ -602,6 +603,7 @@ def test_an_interrupt_at_every_line_of_an_offloaded_step_leaves_it_whole_and_on_
         model, opt, _, _, raised, on_device = _interrupted_at_line(index, data)
         assert isinstance(raised, KeyboardInterrupt), index
         assert on_device, index  # never left swapped to the host buffers
+        assert signal.getsignal(signal.SIGINT) is handler, index  # autofit's handler never left behind
         outcomes.append("before" if _equal(before, model, opt) else "after" if _equal(after, model, opt)
                         else "mixed")
     assert "mixed" not in outcomes

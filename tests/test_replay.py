@@ -42,16 +42,21 @@ def test_a_replay_draws_the_same_random_numbers_and_sees_the_same_buffers_and_gr
     assert opt.param_groups[0]["count"] == 1 and "extra" not in opt.param_groups[0]
 
 
-def test_static_buffers_are_copied_once_floating_ones_at_every_capture():
+def test_every_buffer_is_copied_at_every_capture_and_a_write_through_data_is_undone():
     model = WithBuffers()
     start = StartState(model, torch.optim.SGD(model.parameters(), lr=0.1), CpuDevice())
     start.capture(torch.zeros(2))
     assert start.buffers.copies == 4  # running_mean, running_var, num_batches_tracked, ids
     start.capture(torch.zeros(2))
-    assert start.buffers.copies == 6  # the two floating ones again
-    model(torch.randn(4, 3))  # num_batches_tracked.add_(1) bumps its version
-    start.capture(torch.zeros(2))
-    assert start.buffers.copies == 9
+    assert start.buffers.copies == 8
+    model.bn.num_batches_tracked.data.fill_(7)  # through .data: no _version bump
+    model.ids.data[0] = 9
+    start.capture(torch.zeros(2))  # what the last step left is the start now
+    model.bn.num_batches_tracked.data.fill_(8)
+    model.ids.data[0] = 10
+    start.begin()
+    start.begin()  # a replay: the flag and the ids are put back
+    assert model.bn.num_batches_tracked.item() == 7 and model.ids[0].item() == 9
 
 
 def test_the_batch_comes_back_as_given():

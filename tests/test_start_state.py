@@ -195,3 +195,131 @@ def test_frozen_parameters_no_step_writes_are_copied_once():
         model(batches()[0][0])
         start.capture(batches()[0])
     assert start.untrained.copies == 2 * frozen + 3 * 5
+
+
+class Noisy(torch.nn.Module):
+    """Noise from a generator the model holds, and an ActNorm-style layer: buffers initialised from
+    the first batch, the flag that says so (a uint8 buffer) and a step counter written through
+    `.data`, which moves no `_version`."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(5)
+        self.lin, self.head = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+        self.register_buffer("loc", torch.zeros(16))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+        self.register_buffer("steps", torch.tensor(0))
+
+    def forward(self, x):
+        h = self.lin(x + 0.1 * torch.randn(x.shape, generator=self.gen))
+        self.steps.data += 1
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.copy_(-h.mean(0))
+            self.initialized.data.fill_(1)
+        return self.head(torch.tanh(h + self.loc))
+
+
+def noisy_batches(n=3, rows=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(n)]
+
+
+def plain_noisy(splits, aux=None):
+    torch.manual_seed(0)
+    model = Noisy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for (x, y), micro in zip(noisy_batches(), splits):
+        for i in range(0, len(x), micro):
+            part = device_copy((x[i:i + micro], y[i:i + micro]))
+            (loss_fn(model, part) * (len(part[0]) / len(x))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def test_a_flag_written_through_data_in_the_failed_first_forward_is_put_back():
+    """An OOM in the first step's backward, after the forward initialised the layer: the replay
+    must initialise it again (the flag back at 0), as the plain loop's only forward did."""
+    torch.manual_seed(0)
+    model = Noisy()
+    with autofit.simulate_gpu() as gpu:
+        handle = oom_in_backward(model, gpu, 1)
+        with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                             precision="fp32", ladder=halve, cache=False) as step:
+            outs = [step(b) for b in noisy_batches()]
+        handle.remove()
+    assert [(a.outcome, a.where) for a in outs[0].attempts] == [("oom", "backward"), ("ok", "")]
+    splits = [o.plan.micro_batch_size for o in outs]
+    reference = plain_noisy(splits)
+    assert_same(state(model), state(reference))
+    assert int(model.steps) == sum(-(-8 // m) for m in splits)  # the failed forward left no count
+    assert torch.equal(model.gen.get_state(), reference.gen.get_state())
+
+
+def test_the_capacity_check_leaves_a_generator_the_model_holds_as_it_was():
+    """With a budget the check walks the model's forward on fake tensors before the first step: the
+    noise the model then draws is the plain loop's."""
+    torch.manual_seed(0)
+    model = Noisy()
+    with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                         budget="64MiB", cache=False) as step:
+        outs = [step(b) for b in noisy_batches()]
+    assert outs[0].attempts[0].reason.startswith("estimated")
+    assert [o.plan.micro_batch_size for o in outs] == [8, 8, 8]
+    reference = plain_noisy([8, 8, 8])
+    assert_same(state(model), state(reference))
+
+
+def test_a_leaf_outside_the_model_reached_by_a_later_micro_batch_only_keeps_its_entry_gradient():
+    """An auxiliary head outside the model scores the flagged rows only, all in the second
+    micro-batch; an OOM after the backward (in clipping) must take back the gradient that
+    micro-batch put on it, not only what the first one reached."""
+    torch.manual_seed(5)
+    aux = torch.nn.Linear(3, 1)
+    aux_ref = copy.deepcopy(aux)
+
+    def loss_for(head):
+        def loss(model, batch):
+            x, y, flagged = batch
+            out = model(x)
+            value = F.cross_entropy(out, y)
+            if flagged.any():
+                value = value + head(out[flagged]).pow(2).mean() * flagged.float().mean()
+            return value
+        return loss
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g), torch.arange(8) >= 7)
+            for _ in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    clips, real_clip = [], torch.nn.utils.clip_grad_norm_
+    with autofit.simulate_gpu() as gpu:
+        def clip(*args, **kwargs):  # the first clipping (step 0's first attempt) runs out of memory
+            clips.append(1)
+            if len(clips) == 1:
+                gpu.fail_at(gpu.allocation_count)
+            return real_clip(*args, **kwargs)
+        plan = autofit.Plan(micro_batch_size=4, accumulation_steps=2)
+        try:
+            torch.nn.utils.clip_grad_norm_ = clip
+            with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_for(aux),
+                                 precision="fp32", max_grad_norm=1.0, cache=False) as step:
+                step.load_state_dict({"version": 1, "plan": plan.to_dict(), "sizes": {"fits": [], "fails": []}})
+                outs = [step(b) for b in data]
+        finally:
+            torch.nn.utils.clip_grad_norm_ = real_clip
+    assert [(a.outcome, a.where, a.plan.micro_batch_size) for a in outs[0].attempts] == [
+        ("oom", "optimizer.step", 4), ("ok", "", 4)]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch, out in zip(data, outs):
+        micro = out.plan.micro_batch_size
+        for i in range(0, 8, micro):
+            part = device_copy(tuple(t[i:i + micro] for t in batch))
+            (loss_for(aux_ref)(reference, part) * (len(part[0]) / 8)).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_same(state(model), state(reference))
+    assert torch.equal(aux.weight.grad, aux_ref.weight.grad) and torch.equal(aux.bias.grad, aux_ref.bias.grad)

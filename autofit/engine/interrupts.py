@@ -32,8 +32,8 @@ class SigintHold:
         self.holding, self.caught = False, False
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.getsignal(signal.SIGINT)
+            self._installed = True  # before: a Ctrl-C right after the install finds it set
             signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
         return self
 
     def hold(self) -> None:
@@ -43,13 +43,19 @@ class SigintHold:
         if self.holding:
             self.caught = True
             return
+        # Not holding: the previous handler's, and ours gone first (it may raise out of a block
+        # whose exit would not run, __enter__ itself included).
+        self._uninstall()
         _call(self._previous, signum, frame)
 
-    def __exit__(self, *exc) -> None:
-        self.holding = False
+    def _uninstall(self) -> None:
         if self._installed:
+            signal.signal(signal.SIGINT, self._previous)  # before the flag: see _handler
             self._installed = False
-            signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc) -> None:
+        self._uninstall()  # while still holding: a Ctrl-C meanwhile is recorded, for deliver()
+        self.holding = False
 
     def deliver(self) -> None:
         """Raise the SIGINT held (if any) as the handler before the block would have."""

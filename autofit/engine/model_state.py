@@ -180,7 +180,8 @@ class Gradients:
 
     def reached(self, loss: torch.Tensor) -> None:
         """Before a backward from `loss`: keep the entry gradients of the leaves outside the model it
-        reaches (called with the first micro-batch's loss of every attempt)."""
+        reaches (called with every micro-batch's loss: a later one may reach a leaf the first did
+        not, a head used by some rows only; a leaf already kept keeps its first, entry, gradient)."""
         params = {id(p) for p in self.model.parameters()}
         for leaf in leaves(loss):
             if id(leaf) in params or id(leaf) in self.outside:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from autofit.engine.model_state import _generators as module_generators
 from autofit.engine.replay import rng_state, set_rng_state
 
 
@@ -64,8 +65,11 @@ def _generators(obj, depth: int = 3) -> list[torch.Generator]:
 def rng_untouched(*sources):
     """Work inside (fake-tensor estimates, a look at the evaluation data) leaves the global random
     generators (torch's on CPU and every CUDA device, Python's, numpy's) and the generators of
-    `sources` as they were: a forward traced on fake tensors still runs the model's Python code."""
-    generators = list({id(g): g for s in sources for g in _generators(s)}.values())
+    `sources` as they were: a forward traced on fake tensors still runs the model's Python code. A
+    source is a DataLoader (its own generator, its samplers') or a model (the generators its
+    modules hold: a fake copy of the model draws from the same ones)."""
+    generators = list({id(g): g for s in sources for g in
+                       (module_generators(s) if isinstance(s, torch.nn.Module) else _generators(s))}.values())
     states = [g.get_state() for g in generators]
     rng = rng_state()
     try:

@@ -9,9 +9,8 @@ that may change them in place. Replaying on top of that would not be the mathema
 loop. `StartState` keeps what a replay needs, in host memory:
 - the global random generators a forward may draw from: torch's (CPU and every CUDA device),
   Python's `random` and numpy's (a layer-drop written with `random.random()`): a few KiB;
-- the model's buffers: host copies; integer and bool buffers (position ids, masks) are copied
-  again only when their `_version` moved, floating-point ones (running statistics, which native
-  kernels write without bumping `_version`) at every capture;
+- the model's buffers: host copies at every capture (running statistics are written without a
+  `_version` bump, and anything written through `.data` too);
 - the parameters the optimizer does not train that a step writes, the generators the model holds
   and the gradients present at entry, on the model and on leaves outside it that the backward
   reaches (`model_state`);
@@ -79,47 +78,33 @@ def _leaves(batch):
     return out
 
 
-def _may_change_unseen(buf: torch.Tensor) -> bool:
-    # Native kernels write batch norm's running statistics without bumping `_version`; integer and
-    # bool buffers (position ids, masks, num_batches_tracked) are only written by ops that bump it.
-    return buf.is_floating_point() or buf.is_complex()
-
-
 class _Buffers:
-    """Host copies of a model's buffers, re-copied only when a buffer may have been written since:
-    its `_version` moved, or it is floating point (see `_may_change_unseen`)."""
+    """Host copies of a model's buffers, taken at every capture: any buffer may have been written
+    since the last one without a trace (native kernels write batch norm's running statistics without
+    bumping `_version`, and a write through `.data` bumps nothing, a flag set with
+    `self.initialized.data.fill_(1)` included). Buffers are small next to the parameters."""
 
     def __init__(self, model, device):
         self.model, self.device = model, device
-        self.saved: dict[tuple, tuple] = {}  # (module id, name) -> (module, name, tensor, copy, version)
+        self.saved: list[tuple] = []  # (module, name, tensor, copy)
         self.copies = 0  # buffers copied to host so far (for tests and the overhead benchmark)
 
     def capture(self) -> None:
-        seen = {}
-        for module in self.model.modules():
-            for name, buf in ti.own_buffers(module).items():
-                if buf is None:
-                    continue
-                key = (id(module), name)
-                old = self.saved.get(key)
-                if old is not None and old[2] is buf and old[4] == ti.version(buf) \
-                        and not _may_change_unseen(buf):
-                    seen[key] = old
-                    continue
-                with torch.no_grad(), self.device.host():
-                    host = buf.detach().to("cpu", copy=True)
-                self.copies += 1
-                seen[key] = (module, name, buf, host, ti.version(buf))
-        self.saved = seen
+        saved = []
+        with torch.no_grad(), self.device.host():
+            for module in self.model.modules():
+                for name, buf in ti.own_buffers(module).items():
+                    if buf is not None:
+                        saved.append((module, name, buf, buf.detach().to("cpu", copy=True)))
+        self.copies += len(saved)
+        self.saved = saved
 
     def restore(self) -> None:
         with torch.no_grad():
-            for key, (module, name, buf, host, version) in self.saved.items():
+            for module, name, buf, host in self.saved:
                 if ti.own_buffers(module).get(name) is not buf:
                     ti.own_buffers(module)[name] = buf  # the attempt replaced it: the original comes back
-                if ti.version(buf) != version or _may_change_unseen(buf):
-                    buf.copy_(host)
-                    self.saved[key] = (module, name, buf, host, ti.version(buf))
+                buf.copy_(host)
 
 
 REPLAY, RESTART, TRIAL = "replay", "restart", "trial"  # StartState's modes
@@ -158,7 +143,8 @@ class StartState:
       the `state_dict()`s of the model (unless `weights=False`: the Trainer re-creates it), the
       optimizer (None: the Trainer makes its own) and `scheduler`, and the random generators;
     - TRIAL (an estimate's sampled steps, estimator/sampled.py; `held()` around them): every tensor,
-      gradient and mode of the model, the optimizer's state and groups, and the random generators.
+      gradient and mode of the model, the optimizer's state and groups, and the random generators
+      (the global ones and those the model's modules hold).
     `device`: where host copies are made (its `host()`; None: no device, as for TRIAL)."""
 
     def __init__(self, model, optimizer, device, *, mode: str = REPLAY, scheduler=None, weights: bool = True):
@@ -170,7 +156,8 @@ class StartState:
             self.parts = [StateDicts(kept, [o for o in (optimizer, scheduler) if o is not None], device), _Rng()]
             return
         if mode == TRIAL:
-            self.parts = [Tensors(model), OptimizerState(optimizer), _Groups(optimizer, device), _Rng()]
+            self.parts = [Tensors(model), OptimizerState(optimizer), _Groups(optimizer, device), _Rng(),
+                          Generators(model)]
             return
         ti.require(ti.REPLAY)
         self.buffers = _Buffers(model, device)
@@ -211,8 +198,8 @@ class StartState:
         self.gradients.release()
 
     def reached(self, loss) -> None:
-        """The first micro-batch's loss of an attempt, before its backward: the leaves it reaches keep
-        their entry gradients (see model_state.Gradients)."""
+        """A micro-batch's loss, before its backward: the leaves it reaches keep their entry
+        gradients (see model_state.Gradients)."""
         self.gradients.reached(loss)
 
     def failed(self) -> None:

@@ -115,7 +115,7 @@ class StepRunner:
         # every attempt; read by the controller after an OOM (never parsed from the error's text).
         self.phase = ""
         self.foreach_off = ForeachOff(optimizer)  # the per-parameter step's switch
-        # before_backward(loss): called with the first micro-batch's loss of every attempt (the
+        # before_backward(loss): called with each micro-batch's loss before its backward (the
         # controller's start state keeps the entry gradients of the leaves it reaches).
         self.before_backward = None
         self.kept: list = []  # the last attempt's kept outputs per micro-batch (engine/kept.py)
@@ -208,7 +208,7 @@ class StepRunner:
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 self.phase = "backward"
-                if i == 0 and self.before_backward is not None:
+                if self.before_backward is not None:  # every micro-batch: each may reach other leaves
                     self.before_backward(scaled)
                 scaled.backward()
             term = loss.detach().float() * share

@@ -228,7 +228,7 @@ def _probing(model, device):
     inner = unwrap(model)
     was_training = inner.training
     try:
-        with rng_untouched(), torch.no_grad(), device.host():
+        with rng_untouched(inner), torch.no_grad(), device.host():
             inner.eval()
             yield inner
     finally:

@@ -123,7 +123,7 @@ class Guide:
             key = plan
         if key not in self.estimates:
             try:
-                with rng_untouched():  # fake-tensor work must not move the RNG the run draws from
+                with rng_untouched(self.estimator.model):  # nor the RNG the run draws from
                     self.estimates[key] = (self.estimator.measure(plan, after=after, limit=limit)
                                            if self.caps == "reserved" else self.estimator.measure(plan))
             except Exception as error:  # the guide is optional: the search bisects without it

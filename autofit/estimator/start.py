@@ -122,7 +122,7 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
         [p for p in coupling.whole_plans(rows_of(batch), precision, device.supports_bf16())
          if not_applicable(p, model, optimizer, device) is None]
     try:
-        with rng_untouched():  # fake-tensor work must not move the RNG the first step draws from
+        with rng_untouched(model):  # fake-tensor work must not move the RNG the first step draws from
             estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type)
             kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
             if kept is not None:
