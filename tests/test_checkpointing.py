@@ -1,5 +1,7 @@
+import random
 import re
 
+import numpy
 import pytest
 import torch
 
@@ -291,3 +293,75 @@ def test_a_lora_run_steps_down_to_checkpointing_with_the_plain_loops_parameters(
                optimizer=torch.optim.AdamW(p for p in reference.parameters() if p.requires_grad))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     assert not model.get_base_model().is_activation_checkpointing  # handed back as it came
+
+
+class Writes(torch.nn.Module):
+    """A block whose forward writes state besides its output, or draws from a source torch's
+    checkpoint does not fork: what its recompute must not do a second time."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(16, 16)
+        if kind == "spectral-norm":  # power-iteration vectors, updated in every training forward
+            self.lin = torch.nn.utils.parametrizations.spectral_norm(self.lin)
+        self.norm = torch.nn.InstanceNorm1d(4, track_running_stats=True)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.gen = torch.Generator().manual_seed(123)
+
+    def forward(self, x):
+        if self.kind == "counter":
+            self.calls += 1
+        elif self.kind == "own-generator":
+            x = x + 0.1 * torch.randn(x.shape, generator=self.gen)
+        elif self.kind == "python-random":
+            x = x * (1 + 0.2 * random.random())
+        elif self.kind == "numpy-random":
+            x = x * (1 + 0.2 * float(numpy.random.rand()))
+        h = self.lin(x)
+        if self.kind == "instance-norm":
+            h = self.norm(h.view(-1, 4, 4)).view(-1, 16)
+        return torch.tanh(h)
+
+
+def _writer(kind):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), *[Writes(kind) for _ in range(3)], torch.nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("kind", ["spectral-norm", "counter", "instance-norm", "own-generator", "python-random",
+                                  "numpy-random"])
+def test_a_recompute_starts_from_what_the_forward_found_and_leaves_what_it_left(kind):
+    """Checkpointed blocks give the plain loop's parameters, buffers and generators: a spectral
+    norm recomputed from vectors its forward already moved would compute another weight (wrong
+    gradients), a counter or tracked statistics would move twice, a draw would differ."""
+    import autofit
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    def train(checkpointed):
+        model = _writer(kind)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        random.seed(7)
+        numpy.random.seed(7)
+        if checkpointed:
+            plan = autofit.Plan(micro_batch_size=8, checkpointing=True)
+            with autofit.stepper(model, opt, loss_fn=loss_fn, precision="fp32", cache=False) as step:
+                step.load_state_dict({"version": 1, "plan": plan.to_dict(), "sizes": {"fits": [], "fails": []}})
+                assert [step(b).plan for b in data] == [plan] * 3
+        else:
+            for b in data:
+                loss_fn(model, b).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return model, (random.random(), float(numpy.random.rand()))
+    got, got_draws = train(True)
+    want, want_draws = train(False)
+    for (name, a), b in zip(list(got.state_dict().items()), want.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert [m.gen.get_state().tolist() for m in got[1:4]] == [m.gen.get_state().tolist() for m in want[1:4]]
+    assert got_draws == want_draws
+    if kind == "counter":
+        assert [int(m.calls) for m in got[1:4]] == [3, 3, 3]

@@ -149,7 +149,7 @@ def wide_cnn(seed=0):
 
 def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
     """Estimated peaks (fp32, 16 rows, the capacity check's estimator): whole 593.5 KiB, whole with
-    checkpointing 447 KiB (its recompute keeps the running statistics), against a budget of 546.9
+    checkpointing 448 KiB (the simulated GPU measures the same step at 448 KiB), against a budget of 546.9
     KiB. The fastest fitting plan splits (micro 8 x 2, before: the start, then a probe to 12 x 2);
     the ladder would reach whole-batch checkpointing first, so the run starts there and never
     splits."""
@@ -162,7 +162,7 @@ def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
                          progress=False, cache=False)
     assert attempts(result) == [(0, 16, True, False, "ok"), (1, 16, True, False, "ok")]
     assert result.attempts[0].reason == (
-        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 447.00 KiB of "
+        "estimated: the first whole-batch plan of the ladder predicted to fit (peak 448.00 KiB of "
         "546.88 KiB); batch-coupled layers keep the batch whole first")
     assert_same_state(model, plain_loop(wide_cnn(), batches, [16, 16]))
     coupling = Coupling(wide_cnn())

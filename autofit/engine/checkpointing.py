@@ -8,21 +8,27 @@ recompute appends to a second time. Other models get the blocks of their largest
 ModuleList/Sequential wrapped: each block's forward is recomputed in backward by
 `torch.utils.checkpoint`.
 
-A recompute runs a forward a second time, and a batch-coupled layer's forward writes its running
-statistics. A block's recompute runs inside a context that copies its coupled layers' buffers before
-it and puts back those it moved, so they move once per forward, as in a plain loop, also when a
-BatchNorm layer is itself a block (its recompute calls its forward, not its hooks). Hugging Face's
-switch recomputes a layer through its `__call__`: the coupling guard (plans/coupling) sees those.
+A recompute runs a forward a second time. A block autofit wraps is recomputed from the state its
+forward found (`_Recompute`: the buffers it wrote, the generators torch's checkpoint does not fork),
+so spectral norm vectors, tracked InstanceNorm statistics and counters move once per forward, as in
+a plain loop. Batch-coupled layers' running statistics are the coupling guard's (plans/coupling):
+it sees every recompute through the layer's pre-hook, Hugging Face's switch's included, and puts
+them back when the backward ends. Side effects outside the block's tensors (a forward hook that counts
+calls, a Python attribute) happen twice under any checkpointing, as in a plain loop that
+checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import random
+import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from autofit import torch_internals as ti
 from autofit.integrations import transformers_internals as hf_internals
 from autofit.plans.coupling import coupled_modules
 
@@ -78,39 +84,97 @@ def largest_block_list(model: torch.nn.Module):
     return best
 
 
-@contextlib.contextmanager
-def _statistics_kept(module):
-    """Around a recompute: the buffers of `module`'s batch-coupled layers come back as they were."""
-    buffers = [b for _, m in coupled_modules(module) for b in m.buffers(recurse=False) if b is not None]
-    with torch.no_grad():
-        saved = [(b, b.clone()) for b in buffers]
-    try:
-        yield
-    finally:
+class _Recompute:
+    """One checkpointed call of a block: what its forward wrote, put back for the recompute.
+
+    The forward may write state beyond its output: running statistics (BatchNorm, InstanceNorm with
+    tracked statistics), spectral norm's power-iteration vectors, a counter buffer, and it may draw
+    from generators torch's checkpoint does not fork (a generator the block holds, Python's
+    `random`, numpy's; torch's own are forked by the checkpoint). Before the recompute the buffers
+    the forward changed and those generators are set to what the forward found, so it computes the
+    same activations (a spectral norm recomputed from the vectors it already moved would give another
+    weight, hence wrong gradients); after it, they are put back to what they were when the recompute
+    began (as torch forks its own generators): the state moves once per forward, as in a plain loop.
+    """
+
+    def __init__(self, block):
+        self.block = block
+        self.changed: list = []  # (buffer, as the forward found it)
+
+    def forward_context(self):
+        return self._forward()
+
+    def recompute_context(self):
+        return self._recompute()
+
+    @contextlib.contextmanager
+    def _forward(self):
         with torch.no_grad():
-            for b, copy in saved:
-                # Only what the recompute moved: a buffer it did not touch may be saved for the
-                # backward by the first forward, and an in-place write would void that.
-                if not torch.equal(b, copy):
-                    b.copy_(copy)
+            found = [(b, b.clone(), ti.version(b)) for b in _buffers(self.block)]
+        self.generators = _generators_of(self.block)
+        self.found_rng = _rng(self.generators)
+        yield
+        with torch.no_grad():
+            self.changed = [(b, before) for b, before, version in found
+                            if ti.version(b) != version or not torch.equal(b, before)]
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        now_rng = _rng(self.generators)
+        with torch.no_grad():
+            now = [(b, b.clone()) for b, _ in self.changed]
+            for b, before in self.changed:
+                b.copy_(before)
+        _set_rng(self.generators, self.found_rng)
+        try:
+            yield
+        finally:
+            _set_rng(self.generators, now_rng)
+            with torch.no_grad():
+                for b, value in now:
+                    # Only where the recompute did not write the same again: a buffer the
+                    # recompute saved for its backward must not be written after it.
+                    if not torch.equal(b, value):
+                        b.copy_(value)
+            self.changed = []
 
 
-def recompute_context(module):
-    """`torch.utils.checkpoint`'s context_fn: nothing around the forward, `_statistics_kept` around
-    the recompute."""
-    return lambda: (contextlib.nullcontext(), _statistics_kept(module))
+def _buffers(block) -> list:
+    """The block's buffers but those of the batch-coupled layers inside it: the coupling guard
+    (plans/coupling) puts theirs back when the backward ends, for any checkpointing (a coupled
+    block's own are here: its recompute calls its forward, which its pre-hook does not see)."""
+    coupled = {id(b) for _, m in coupled_modules(block) if m is not block for b in m.buffers(recurse=False)}
+    return list({id(b): b for b in block.buffers() if b is not None and id(b) not in coupled}.values())
+
+
+def _generators_of(block) -> list:
+    from autofit.engine.model_state import _generators  # the one reading of a module's generators
+    return _generators(block)
+
+
+def _rng(generators) -> tuple:
+    numpy = sys.modules.get("numpy")
+    return ([g.get_state() for g in generators], random.getstate(),
+            numpy.random.get_state() if numpy is not None else None)
+
+
+def _set_rng(generators, state) -> None:
+    own, py, np_state = state
+    for g, value in zip(generators, own):
+        g.set_state(value)
+    random.setstate(py)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
 
 
 def _checkpointed(forward, block):
-    kwargs = dict(_KWARGS)
-    if coupled_modules(block):  # only blocks with running statistics pay for the context
-        kwargs["context_fn"] = recompute_context(block)
-
     @functools.wraps(forward)
     def run(*args, **kw):
         if not torch.is_grad_enabled():
             return forward(*args, **kw)
-        return checkpoint(forward, *args, **kw, **kwargs)
+        call = _Recompute(block)
+        return checkpoint(forward, *args, **kw, **_KWARGS,
+                          context_fn=lambda: (call.forward_context(), call.recompute_context()))
     run.__autofit_checkpoint__ = True
     return run
 
