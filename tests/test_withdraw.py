@@ -131,3 +131,45 @@ def test_a_real_lstm_under_precision_auto_runs_to_the_end():
                              cache=False)
     assert len(result.history) == 3
     assert [a.outcome for a in result.attempts][0] == "oom"
+
+
+def test_an_upward_probe_that_raises_is_withdrawn_and_the_proven_plan_replays_the_batch():
+    """A BatchNorm MLP proven at micro 6 x 2 (8 rows): the probe to 7 leaves a last micro-batch of
+    one row, which BatchNorm refuses in training (a ValueError, not an OOM). The probe is withdrawn,
+    the batch replayed at the proven size, and the search stops below it; the run ends as the
+    plain loop with the same splits."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 3))
+
+    def loss_fn(model, batch):
+        if torch.is_grad_enabled() and len(batch["y"]) == 8:  # the whole batch does not fit
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (8 rows)")
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+    data = batches(n=5)
+    for b in data:
+        b["x"] = torch.cat([b["x"], b["x"][:, :2]], dim=1)  # 6 features
+    model = make()
+    plan = autofit.Plan(micro_batch_size=6, accumulation_steps=2, precision="fp32")
+    with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                         precision="fp32", cache=False) as step:
+        step.load_state_dict({"version": 1, "plan": plan.to_dict(), "sizes": {"fits": [], "fails": []}})
+        outs = [step(b) for b in data]
+    trace = [[(a.plan.micro_batch_size, a.outcome) for a in o.attempts] for o in outs]
+    # 8 runs out of memory (the probe's first try), 7 leaves one row for the last micro-batch
+    assert trace == [[(6, "ok")], [(8, "oom"), (6, "ok")], [(7, "withdrawn"), (6, "ok")], [(6, "ok")],
+                     [(6, "ok")]]
+    withdrawn = outs[2].attempts[0]
+    assert withdrawn.error.startswith("ValueError: Expected more than 1 value per channel when training")
+    splits = [o.plan.micro_batch_size for o in outs]
+    reference = make()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for b, micro in zip(data, splits):
+        for i in range(0, 8, micro):
+            part = device_copy({k: v[i:i + micro] for k, v in b.items()})
+            (loss_fn(reference, part) * (len(part["y"]) / 8)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name

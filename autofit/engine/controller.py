@@ -105,7 +105,7 @@ class Controller:
         # fits then proves nothing about the steps after it.
         if self.probe_up and self.attempts:
             bigger = self.sizes.probe_up(self.plan, global_batch, guess=self.guide.largest)
-            if bigger is not None and self._worth_probing(bigger):
+            if bigger is not None and self._worth_probing(bigger) and self._not_applicable(bigger) is None:
                 self._fallback, self._fallback_reason = self.plan, self.reason
                 self.plan, self.reason = bigger, (f"probe a larger micro-batch ({self.plan.micro_batch_size}"
                                                   f" fits, searching upward)")
@@ -178,19 +178,36 @@ class Controller:
         error that is not out-of-memory is the move's (withdrawn), unless it is one a withdrawn move
         raised already (then it is the user's code's) or it came from the optimizer step (whose
         partial update only an out-of-memory rollback undoes). None: every other error propagates."""
-        before = self._oom_before
-        if before is None or plan == before[0] or plan in self._tried or self.runner.distributed:
+        before = self._before_move(plan)
+        if before is None or plan in self._tried or self.runner.distributed:
             return None  # (under torch.distributed an error is announced to every rank: it propagates)
         return self.withdrawals.takes(lambda: self.runner.phase)
+
+    def _before_move(self, plan: Plan) -> Plan | None:
+        """The plan `plan` was moved from on this batch: the one that ran out of memory, or the
+        proven plan an upward probe left (a larger micro-batch may raise what the proven one did
+        not: a last micro-batch of one row that BatchNorm refuses); None for neither."""
+        if self._oom_before is not None and plan != self._oom_before[0]:
+            return self._oom_before[0]
+        if self._oom_before is None and self._fallback is not None and plan != self._fallback:
+            return self._fallback
+        return None
 
     def _withdraw(self, outcome, step: int, global_batch: int) -> bool:
         """The move from the plan before (which ran out of memory) to this one raised another error:
         withdraw it for the rest of the run and step down from the plan before without it."""
         plan, reason, text = self.plan, self.reason, outcome.error
-        before, where, oom_text = self._oom_before
+        before = self._before_move(plan)
         where_now = outcome.found[0] if outcome.found else ""
         self._record(Attempt(plan, "withdrawn", reason, outcome.peak, step, text, where_now))
         self.withdrawals.withdraw(plan, before, text)
+        if self._oom_before is None:  # an upward probe: back to the plan it left, proven
+            self.sizes.record(plan, False, global_batch)  # the search stops below it
+            self._fallback = None
+            self.next_plan = self.plan = before
+            self.reason = "back to the largest micro-batch known to fit: the probe above it was withdrawn"
+            return True
+        _, where, oom_text = self._oom_before
         self.plan = before
         self._step_down(before, global_batch, oom_text, where)
         return self.next_plan is not None
