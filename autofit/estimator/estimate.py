@@ -74,6 +74,7 @@ from autofit import torch_internals as ti
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.interfaces import Batch, LossFn, OptimizerArg
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
+from autofit.estimator.memoized import emptied_after, memoized_of
 from autofit.estimator.meta_kernels import widened
 from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
@@ -423,6 +424,12 @@ class Estimator:
         self.model, self.resident = self._sampled.model, self._sampled.resident
         self.optimizer_name = self._sampled.optimizer_name
 
+    def _memoized(self) -> list:
+        """The memoized functions of the model's code (estimator/memoized), found once."""
+        if getattr(self, "_memoized_functions", None) is None:
+            self._memoized_functions = memoized_of(self.model)
+        return self._memoized_functions
+
     def _quiet(self):
         """No mode of the caller's (a simulated GPU, say) sees the fake tensors; autograd is on;
         tensors made without a device are CPU tensors, whatever default device the caller set."""
@@ -467,7 +474,8 @@ class Estimator:
         if self._sampled is None:
             cached = len(ti.fake_tensor_mode_class().cache) if self._forgets_dispatch() else None
             try:
-                with self._quiet():
+                # A fake tensor cached by the model's memoized code would outlive the walk.
+                with self._quiet(), emptied_after(self._memoized()):
                     estimate = self._derived(plan) if after is None else None
                     if estimate is None:
                         estimate = self._measure(plan, after)
