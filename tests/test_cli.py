@@ -318,9 +318,20 @@ def test_probe_rows_too_short_for_the_model_name_seq_len(capsys, tmp_path):
     assert err == (f"autofit: cannot estimate this model: a training step of {tmp_path} on its sample batch "
                    f"(Wav2Vec2ForSequenceClassification, 0.03M parameters; batch input_values[2, 32], labels[2]) "
                    f"failed: RuntimeError: Calculated padded input size per channel: (2). Kernel size: (3). "
-                   f"Kernel size can't be greater than actual input size. If the model needs longer rows than "
-                   f"--seq-len 32 gives (32 audio samples), pass a larger --seq-len.\n")
-    assert main(argv + ["--seq-len", "4000"]) == 0  # 12 frames: room for its 10-frame time masks
+                   f"Kernel size can't be greater than actual input size. With --seq-len 8192 it is estimated "
+                   f"(2048 failed too): pass a larger --seq-len.\n")
+    assert main(argv + ["--seq-len", "8192"]) == 0
+
+
+def test_probe_a_failure_longer_rows_do_not_cure_names_no_seq_len(capsys, tmp_path):
+    # a sequence classifier without a pad token refuses batches of more than one row at any length
+    import transformers
+    transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             vocab_size=100, pad_token_id=None, architectures=["LlamaForSequenceClassification"]
+                             ).to_json_file(str(tmp_path / "config.json"))
+    assert main(["probe", "--gpu-mem", "2GiB", "--model", str(tmp_path), "--batch-size", "2", "--seq-len", "8"]) == 1
+    out, err = capsys.readouterr()
+    assert err.endswith("failed: ValueError: Cannot handle batch sizes > 1 if no padding token is defined.\n")
 
 
 def test_probe_rows_from_the_config_get_no_seq_len_hint(capsys, user_module):

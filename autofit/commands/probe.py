@@ -82,11 +82,10 @@ def cmd_probe(args) -> int:
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
-        if described["row_length"] == "seq_len":  # a model may refuse rows too short for it
-            # (a wav2vec2's convolutions need some 400 samples a row; the error names a kernel size)
-            reason = reason.rstrip(".") + (f". If the model needs longer rows than --seq-len "
-                                           f"{args.seq_len} gives ({described['row']}), pass a larger "
-                                           f"--seq-len.")
+        longer = _longer_rows(args, optimizer) if described["row_length"] == "seq_len" else None
+        if longer is not None:  # a model may refuse rows too short for it (wav2vec2's convolutions)
+            reason = reason.rstrip(".") + (f". With --seq-len {longer} it is estimated ({longer // LONGER} "
+                                           f"failed too): pass a larger --seq-len.")
         return _cannot_estimate(args, _no_plan(header, reason))
     chosen = capacity.choose(candidates)
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
@@ -109,6 +108,39 @@ def cmd_probe(args) -> int:
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+LONGER = 4  # how much longer each row the hint tries
+LONGEST = 65536
+
+
+def _longer_rows(args, optimizer) -> int | None:
+    """The first --seq-len (x4 at a time, up to the model's positions) whose step (the batch
+    as given, fp32, one micro-batch) the estimator follows, where the given one failed: the hint
+    that the rows were too short is then a fact, not a guess; None when no longer row helps (the
+    failure is something else)."""
+    import torch
+    from autofit.commands import models
+    from autofit.estimator.estimate import estimate
+    from autofit.plans.plan import Plan
+    length = args.seq_len * LONGER
+    while length <= LONGEST:
+        try:
+            with models.quiet_transformers():
+                model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=length)
+                config = getattr(model, "config", None)
+                limit = getattr(config, "max_position_embeddings", None)
+                if isinstance(limit, int) and length > limit:
+                    return None
+                model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
+                                         weights=args.weights)
+                estimate(model, finetune.batch_for(batch, weights=args.weights),
+                         Plan(args.batch_size, precision="fp32"), optimizer=optimizer,
+                         device_type="cuda" if torch.cuda.is_available() else "cpu")
+            return length
+        except Exception:  # this length fails too: a longer one may not
+            length *= LONGER
+    return None
 
 
 _TRAINED = {"full": "the whole model", "frozen-base": "the head on a frozen base", "lora": "LoRA adapters"}
