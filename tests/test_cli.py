@@ -703,3 +703,26 @@ def test_probe_prices_lora_adapters(capsys):
     linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert lora["trained_parameters"] == sum(4 * (m.in_features + m.out_features) for m in linear) == 7944
     assert lora["model_class"] == "PeftModel"
+
+
+def test_probe_a_class_that_computes_no_loss_is_bad_usage(capsys, tmp_path):
+    import transformers
+    transformers.DeiTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                            image_size=32, patch_size=8, architectures=["DeiTForImageClassificationWithTeacher"]
+                            ).to_json_file(str(tmp_path / "config.json"))
+    assert main(["probe", "--gpu-mem", "2GiB", "--model", str(tmp_path), "--batch-size", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == ("autofit: error: DeiTForImageClassificationWithTeacher computes no loss from the probe's labels, "
+                   "so there is no training step to price: name a class with a task head that trains in the config's "
+                   "architectures (e.g. a *ForSequenceClassification, *ForCausalLM, *ForImageClassification), or give "
+                   "module:function returning a model whose forward returns its loss.\n")
+
+
+def test_probe_a_card_left_with_less_than_the_workspace_reserve(capsys):
+    code, got, err = probe_json(capsys, "--gpu-mem", "450MiB", *TINY)
+    assert code == 1
+    assert (got["fits"], got["plan"], got["table"]) == (False, None, [])
+    assert err == ("autofit: does not fit: the card's 450.00 MiB less the CUDA context reserve (409.60 MiB) leaves "
+                   "40.40 MiB, not more than the 64.00 MiB kept for cuBLAS/cuDNN workspaces; nothing is left for "
+                   "tensors.\n")

@@ -8,7 +8,7 @@ import sys
 from autofit.sizes import format_size
 from autofit.commands import finetune, verdict
 from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
-from autofit.errors import one_line
+from autofit.errors import NoLossError, one_line
 
 # Without CUDA to measure it: the context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB
 # outside any allocator budget.
@@ -71,6 +71,12 @@ def cmd_probe(args) -> int:
         reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
                   f"({format_size(reserve)}); nothing is left for tensors.")
         return _probe_report(args, _no_plan(header, reason), None)
+    if budget <= WORKSPACE_RESERVE:
+        reason = (f"the card's {format_size(gpu_mem)} less the CUDA context reserve "
+                  f"({format_size(reserve)}) leaves {format_size(budget)}, not more than the "
+                  f"{format_size(WORKSPACE_RESERVE)} kept for cuBLAS/cuDNN workspaces; nothing is left "
+                  f"for tensors.")
+        return _probe_report(args, _no_plan(header, reason), None)
 
     from autofit.estimator import capacity
     try:
@@ -80,6 +86,12 @@ def cmd_probe(args) -> int:
                                        reserve=WORKSPACE_RESERVE, device_type="cuda",
                                        optimizer=optimizer)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
+        if _caused_by(e, NoLossError):
+            raise UsageError(
+                f"{type(model).__name__} computes no loss from the probe's labels, so there is no training "
+                f"step to price: name a class with a task head that trains in the config's architectures "
+                f"(e.g. a *ForSequenceClassification, *ForCausalLM, *ForImageClassification), or give "
+                f"module:function returning a model whose forward returns its loss.") from None
         reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
                   f"({models.describe(model, batch)}) failed: {one_line(e)}")
         longer = _longer_rows(args, optimizer) if described["row_length"] == "seq_len" else None
@@ -108,6 +120,16 @@ def cmd_probe(args) -> int:
     if code == EXIT_OK and args.verify:
         code = _verify(args, budget, chosen)
     return code
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 LONGER = 4  # how much longer each row the hint tries
