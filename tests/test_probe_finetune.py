@@ -2,6 +2,7 @@
 model's inputs), bitsandbytes' 8-bit AdamW, and the verdict sentence that ends the output."""
 
 import json
+import logging
 import sys
 import types
 
@@ -150,12 +151,17 @@ def test_decoder_longer_than_its_positions_is_refused(tmp_path):
                                "(32 target positions); pass --seq-len 32 or less.")
 
 
-def test_a_class_outside_the_mappings_falls_back_to_the_model_type(tmp_path):
+def test_a_class_outside_the_mappings_falls_back_to_the_model_type(tmp_path, caplog):
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                     intermediate_size=64, image_size=32, patch_size=8, architectures=["ViTModel"])
-    model, batch = models.load(_saved(tmp_path / "vitmodel", config), batch_size=2, seq_len=8)
+    with caplog.at_level(logging.WARNING, logger="autofit"):
+        model, batch = models.load(_saved(tmp_path / "vitmodel", config), batch_size=2, seq_len=8)
     assert type(model) is transformers.ViTForImageClassification
     assert list(batch) == ["pixel_values", "labels"]
+    # the class named has no head to train: what is priced instead is said, not silent
+    assert [r.getMessage() for r in caplog.records if r.name == "autofit"] == [
+        "the config's architectures name ViTModel, which has no task head the probe trains; it prices "
+        "ViTForImageClassification, the image classification class of model_type 'vit', instead"]
 
 
 def test_composite_config_sizes_come_from_its_sub_config(tmp_path):

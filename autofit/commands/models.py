@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import os
 import pathlib
 from collections.abc import Mapping
@@ -122,7 +123,8 @@ def _from_config(path: pathlib.Path, batch_size, seq_len, device):
         raise ModelSpecError(f"the directory {str(path)!r} holds no config.json; give the file itself "
                              f"or a directory with one.")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path))
+        with quiet_transformers():  # its checks of token ids are noise for a random-init model
+            config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as e:  # bad JSON, no model_type, unknown model_type
         raise ModelSpecError(f"cannot read the transformers config {str(path)!r}: {_one_line(e)}") from e
     cls, task = _class_for(config)
@@ -145,6 +147,13 @@ def _class_for(config):
         names = getattr(auto, mapping).get(config.model_type)
         for name in (names,) if isinstance(names, str) else names or ():
             if hasattr(transformers, name):
+                named = getattr(config, "architectures", None)
+                if named:  # the class named is not one the probe trains: say what is built instead
+                    logging.getLogger("autofit").warning(
+                        "the config's architectures name %s, which has no task head the probe trains; it "
+                        "prices %s, the %s class of model_type %r, instead", ", ".join(named), name,
+                        mapping.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower().replace("_", " "),
+                        config.model_type)
                 return getattr(transformers, name), task
     named = ", ".join(getattr(config, "architectures", None) or ()) or "none"
     raise ModelSpecError(f"transformers has no model the probe can train for model_type "
