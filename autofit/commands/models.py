@@ -102,13 +102,18 @@ def load(spec: str | None = None, *, batch_size: int = 32, seq_len: int = 128,
     path = pathlib.Path(spec).expanduser()
     if path.exists():
         return _from_config(path, batch_size, seq_len, device)
-    if ":" in spec and not _looks_like_path(spec):
+    if is_function_spec(spec):
         return _from_function(spec, batch_size, seq_len)
     if _looks_like_path(spec):
         raise ModelSpecError(f"no config file at {spec!r}; give a transformers config.json (or its "
                              f"directory), a built-in name ({known()}), or module:function.")
     raise ModelSpecError(f"unknown model {spec!r}; built-in models are {known()}; or give a "
                          f"config.json path or module:function.")
+
+
+def is_function_spec(spec: str) -> bool:
+    """Whether `spec` names a module:function (which builds the model and its batch itself)."""
+    return ":" in spec and not _looks_like_path(spec) and not pathlib.Path(spec).expanduser().exists()
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -86,6 +86,11 @@ def cmd_probe(args) -> int:
                                        reserve=WORKSPACE_RESERVE, device_type="cuda",
                                        optimizer=optimizer)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
+        if _caused_by(e, NoLossError) and models.is_function_spec(spec):
+            raise UsageError(
+                f"{type(model).__name__} computes no loss from the batch {spec} returned "
+                f"({models.describe(model, batch)}), so there is no training step to price: return a "
+                f"batch with the labels it takes, or a model whose forward returns its loss.") from None
         if _caused_by(e, NoLossError):
             raise UsageError(
                 f"{type(model).__name__} computes no loss from the probe's labels, so there is no training "

@@ -2,7 +2,11 @@
 
 The main input is the one the model class names (`main_input_name`, as transformers' pipelines read
 it), shaped from the config:
-- `input_ids` [batch, seq] token ids below `vocab_size`, with an all-ones `attention_mask`;
+- `input_ids` [batch, seq] token ids below `vocab_size`, without an `attention_mask`: the rows are
+  unpadded, and a model given an all-ones mask on a card drops it (transformers reads its values and
+  takes the causal or maskless attention kernel), which fake tensors, without values, cannot see:
+  with the mask they would price a [batch, 1, seq, seq] mask per layer that no card holds (40% of a
+  long-context decoder's peak at 4096 tokens);
 - `pixel_values` [batch, num_channels, H, W], H and W from `image_size` (an int or a pair);
 - `input_features` [batch, num_mel_bins, frames] (channels first, as the model's Conv1d takes them)
   when the config has `num_mel_bins`, else [batch, frames, input_feat_per_channel * input_channels];
@@ -42,8 +46,6 @@ def sample_batch(model: torch.nn.Module, config, task: str, batch_size: int, seq
     gen = torch.Generator().manual_seed(SEED)
     main = main_input(model)
     batch = {main: _main_input(main, model, config, batch_size, seq_len, gen)}
-    if main == "input_ids":
-        batch["attention_mask"] = torch.ones_like(batch[main])
     if task == "classification":
         batch["labels"] = torch.randint(0, _labels(config), (batch_size,), generator=gen, dtype=torch.int64)
     elif task in ("causal", "masked"):

@@ -13,7 +13,6 @@ again when next asked for.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 
 import torch
@@ -39,7 +38,8 @@ def memoized_of(model: torch.nn.Module) -> list:
 def _caches_in(value, depth: int = 3) -> list:
     """`value` if it is an lru_cache wrapper, else those a function holds in its closure (a
     decorator that wraps the cached function, as transformers' compile-compatible lru_cache does)."""
-    if isinstance(value, functools._lru_cache_wrapper):
+    if callable(value) and callable(getattr(value, "cache_info", None)) \
+            and callable(getattr(value, "cache_clear", None)):  # what functools' caches answer to
         return [value]
     cells = getattr(value, "__closure__", None) if callable(value) else None
     if not cells or depth == 0:
