@@ -609,3 +609,29 @@ def test_an_interrupt_at_every_line_of_an_offloaded_step_leaves_it_whole_and_on_
     assert "mixed" not in outcomes
     assert outcomes[0] == "before" and outcomes[-1] == "after"
     assert outcomes == sorted(outcomes, key=["before", "after"].index)
+
+
+def test_a_transient_oom_in_the_second_offloaded_step_is_retried(monkeypatch):
+    """The first offloaded step makes the state in host memory: it proves the device memory as any
+    later step does, so a one-off OOM in the next step is retried, not a verdict (the ladder has
+    nothing below offload here)."""
+    data = batches(n=4)
+    model, opt, sched = _build("AdamW", "StepLR")
+    original, calls = Offload.step, []
+
+    def step_with_fault(self, run):
+        calls.append(1)
+        if len(calls) != 2:
+            return original(self, run)
+        with FaultAt(0, OOM):
+            return original(self, run)
+    monkeypatch.setattr(Offload, "step", step_with_fault)
+    plan = autofit.Plan(micro_batch_size=8, accumulation_steps=1, offload_optimizer=True)
+    with autofit.simulate_gpu():
+        with autofit.stepper(model, opt, loss_fn=loss_fn, scheduler=sched, precision="fp32",
+                             ladder=offload_optimizer(), cache=False) as step:
+            step.load_state_dict({"version": 1, "plan": plan.to_dict(), "sizes": {"fits": [], "fails": []}})
+            outs = [step(b) for b in data]
+    assert [[a.outcome for a in o.attempts] for o in outs] == [["ok"], ["oom", "ok"], ["ok"], ["ok"]]
+    assert outs[1].attempts[1].reason.startswith("retry: this micro-batch trained rows this long before")
+    assert_same_run((model, opt, None, None), plain("AdamW", "StepLR", None, data)[:2] + (None, None))

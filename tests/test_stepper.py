@@ -301,3 +301,28 @@ def test_an_unguarded_step_that_fails_half_way_stops_instead_of_being_replayed_o
                              cache=False) as step:
             step(cls_batches(1, rows=8)[0])
     assert step.attempts == []  # not taken for an OOM: no step-down, no replay
+
+
+def test_a_scheduler_built_by_a_factory_is_reachable_after_the_block_and_the_run():
+    """Its state is what resumes the schedule: step.scheduler and RunResult.scheduler keep it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = [{"x": torch.randn(8, 4)} for _ in range(3)]
+
+    def loss_fn(m, b):
+        return m(b["x"]).pow(2).mean()
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    with autofit.stepper(model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn, scheduler=schedule,
+                         cache=False) as step:
+        for b in data:
+            step(b)
+    assert isinstance(step.scheduler, torch.optim.lr_scheduler.StepLR)
+    assert step.scheduler.optimizer is step.optimizer
+    assert (step.scheduler.state_dict()["last_epoch"], step.scheduler.get_last_lr()) == (3, [0.1 * 0.5 ** 3])
+    result = autofit.run(model, data, loss_fn=loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                         scheduler=schedule, progress=False, cache=False)
+    assert result.scheduler.optimizer is result.optimizer
+    assert result.scheduler.state_dict()["last_epoch"] == 3

@@ -165,7 +165,9 @@ class Controller:
         if outcome.ok:
             self._record(Attempt(plan, "ok", reason, outcome.peak, step))
             self.sizes.record(plan, True, global_batch)
-            if self._good_total:  # the run's first step made the optimizer state: it proves less
+            # The run's first step made the optimizer state, on the device: it proves less. An
+            # offloaded step makes it in host memory, so its first step proves as much as any.
+            if self._good_total or plan.offload_optimizer:
                 self.proven.record(plan, True, global_batch, length=self.sizes.length)
             self.guide.observe(plan, outcome.peak, self.sizes.length, first=not self._good_total)
             self._good_total += 1

@@ -35,6 +35,9 @@ class RunResult:
     # The optimizer trained (the one given, or built from the factory), with its state: save its
     # state_dict() to resume. Offloaded state stays in host memory.
     optimizer: object = None
+    # The LR scheduler stepped (the one given, or built from the factory; None without one): its
+    # state_dict() resumes the schedule.
+    scheduler: object = None
 
     @property
     def oom_attempts(self) -> int:
@@ -118,7 +121,7 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
         training.start(first, data=data, tuned=tuned, batch_size=batch_size)
         epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
         result = RunResult(plan=training.plan, device=training.device.describe(), optimizer=training.optimizer,
-                           budget=training.device.budget, tune=tuned,
+                           scheduler=training.scheduler, budget=training.device.budget, tune=tuned,
                            batch_coupled=list(training.coupling.names))
 
         def evaluation(epoch):

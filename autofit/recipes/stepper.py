@@ -92,6 +92,8 @@ class Step:
 
     @property
     def scheduler(self):
+        """The scheduler stepped (the one a factory built; None without one), during the block and
+        after it: its state_dict() resumes the schedule."""
         return self._training.scheduler
 
     def state_dict(self) -> dict:

@@ -294,8 +294,10 @@ class Training:
             to_host(self.optimizer, self.device)
         if self.watch is not None:
             self.findings = self.watch.findings
-        # Drop the references to the step's objects so gc can free them now.
-        self.runner = self.scheduler = self.watch = None
+        # Drop the references to the step's objects so gc can free them now. The optimizer and
+        # scheduler stay: the user saves their state_dict() to resume (a factory's are held nowhere
+        # else), and the scheduler holds nothing but the optimizer.
+        self.runner = self.watch = None
         if self.controller is not None:
             self.controller.runner = None
             self.controller.start = None  # it holds the optimizer: the caller decides how long it lives
