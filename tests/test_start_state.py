@@ -323,3 +323,51 @@ def test_a_leaf_outside_the_model_reached_by_a_later_micro_batch_only_keeps_its_
         opt.zero_grad(set_to_none=True)
     assert_same(state(model), state(reference))
     assert torch.equal(aux.weight.grad, aux_ref.weight.grad) and torch.equal(aux.bias.grad, aux_ref.bias.grad)
+
+
+class Counting(torch.nn.Module):
+    """State kept in plain attributes: a running input scale (a tensor, not a buffer) written in
+    place, a Python counter and a dict of counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.scale = torch.ones(6)
+        self.forwards = 0
+        self.seen = {"rows": 0}
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.5).add_(0.5 * x.abs().mean(0))
+        self.forwards += 1
+        self.seen["rows"] += len(x)
+        return self.body(x / self.scale)
+
+
+def test_plain_attributes_a_forward_writes_are_restored_for_the_replay_and_after_the_probe():
+    data = noisy_batches()
+    torch.manual_seed(0)
+    model = Counting()
+    with autofit.simulate_gpu() as gpu:
+        handle = oom_in_backward(model, gpu, 2)  # step 1's first attempt
+        with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                             precision="fp32", ladder=halve, cache=False) as step:
+            outs = [step(b) for b in data]
+        handle.remove()
+    assert [[a.outcome for a in o.attempts] for o in outs][1] == ["oom", "ok"]
+    splits = [o.plan.micro_batch_size for o in outs]
+    torch.manual_seed(0)
+    reference = Counting()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for (x, y), micro in zip(data, splits):
+        for i in range(0, len(x), micro):
+            part = device_copy((x[i:i + micro], y[i:i + micro]))
+            (loss_fn(reference, part) * (len(part[0]) / len(x))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_same(state(model), state(reference))
+    assert torch.equal(model.scale, reference.scale)
+    # the failed attempt's forward and the reduction probe's are not counted, as in the plain loop
+    assert (model.forwards, model.seen) == (reference.forwards, reference.seen) == (
+        sum(-(-8 // m) for m in splits), {"rows": 24})

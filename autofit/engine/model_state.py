@@ -5,7 +5,7 @@ A forward may write tensors that are not buffers: running statistics kept as
 forward hook (often through `.data`, which does not move `_version`), noise drawn from a
 `torch.Generator` the model holds. A backward accumulates into every `.grad` it reaches: the model's
 (on top of gradients present before the step, which a plain loop keeps) and leaves outside the model
-that the loss reached (a discriminator's parameters). Three pieces, one per kind of state:
+that the loss reached (a discriminator's parameters). A piece per kind of state:
 
 - `Untrained`: parameters that the optimizer does not train (not in its param_groups, or frozen).
   The first captures copy them all to host memory; at each of the next `LEARN_STEPS` captures
@@ -14,6 +14,8 @@ that the loss reached (a discriminator's parameters). Three pieces, one per kind
   moves later. A frozen base model that no step writes costs a
   walk over its parameters per step, no copy.
 - `Generators`: the state of every `torch.Generator` held as a module attribute.
+- `Attributes`: a module's own public attributes that a forward may write (a plain tensor, a
+  counter, a dict of numbers).
 - `Gradients`: host copies of the gradients present at entry, the model's and, found by walking the
   first micro-batch's autograd graph at every attempt, those of leaves outside the model; after a
   failure the failed backward's gradients are dropped and the entry ones put back.
@@ -21,6 +23,8 @@ that the loss reached (a discriminator's parameters). Three pieces, one per kind
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 
 import torch
@@ -143,6 +147,58 @@ class Generators:
     def restore(self) -> None:
         for g, state in self.saved:
             g.set_state(state)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+PLAIN_ITEMS = 256  # a longer container (a vocabulary kept on a module) is data, not a step's state
+
+
+def _plain(value) -> bool:
+    """A number or string, or a short list/tuple/dict of them (at any depth): copied as it is."""
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (list, tuple)):
+        return len(value) <= PLAIN_ITEMS and all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return len(value) <= PLAIN_ITEMS and all(isinstance(k, _PLAIN) and _plain(v) for k, v in value.items())
+    return False
+
+
+class Attributes:
+    """What a forward keeps in its modules' own attributes besides parameters and buffers: a
+    plain tensor attribute written in place (a running input scale), a Python counter, a dict of
+    counts. Public attributes only (torch's bookkeeping and a module's private caches start with
+    "_"); objects of other kinds (a config) are left alone. Tensors are copied to host memory and
+    written back into the same tensor, the attribute pointed at it again; numbers and plain
+    containers are copied."""
+
+    def __init__(self, model, device=None):
+        self.model, self.device = model, device
+        self.saved: list[tuple] = []  # (module, name, value as it was, host copy or None)
+
+    def capture(self) -> None:
+        saved = []
+        with torch.no_grad(), self.device.host() if self.device is not None else contextlib.nullcontext():
+            for module in self.model.modules():
+                for name, value in vars(module).items():
+                    if name.startswith("_"):
+                        continue
+                    if type(value) is torch.Tensor:  # not a Parameter: those are registered
+                        saved.append((module, name, value, _host(value)))
+                    elif _plain(value):
+                        saved.append((module, name, copy.deepcopy(value), None))
+        self.saved = saved
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, value, host in self.saved:
+                if host is not None:
+                    _local(value).copy_(host)
+                    vars(module)[name] = value
+                else:
+                    vars(module)[name] = copy.deepcopy(value)
 
 
 def leaves(loss: torch.Tensor) -> list[torch.Tensor]:

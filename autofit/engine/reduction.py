@@ -23,6 +23,7 @@ import torch
 
 from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch
 from autofit.engine.kept import loss_and_kept
+from autofit.engine.model_state import Attributes, Generators
 from autofit.gpu.device import _map_tensors
 
 log = logging.getLogger("autofit")
@@ -95,21 +96,22 @@ def probe_reduction(loss_of, batch) -> Reduction | None:
 @contextlib.contextmanager
 def state_kept(model):
     """Everything of the model a probe's forward may write, put back after it: buffers, parameters
-    that require no gradient, generators the model holds (trained parameters are only written by
-    an optimizer, which a probe never runs)."""
+    that require no gradient, generators the model holds, its modules' own attributes (a counter;
+    trained parameters are only written by an optimizer, which a probe never runs)."""
     with torch.no_grad():
         saved = [(t, t.detach().to("cpu", copy=True)) for t in model.buffers()]
         saved += [(p, p.detach().to("cpu", copy=True)) for p in model.parameters() if not p.requires_grad]
-    generators = [(g, g.get_state()) for m in model.modules() for g in vars(m).values()
-                  if type(g) is torch.Generator]
+    kept = [Generators(model), Attributes(model)]
+    for part in kept:
+        part.capture()
     try:
         yield
     finally:
         with torch.no_grad():
             for t, copy in saved:
                 t.copy_(copy)
-        for g, state in generators:
-            g.set_state(state)
+        for part in kept:
+            part.restore()
 
 
 class _Forward:

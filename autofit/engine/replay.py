@@ -11,8 +11,9 @@ loop. `StartState` keeps what a replay needs, in host memory:
   Python's `random` and numpy's (a layer-drop written with `random.random()`): a few KiB;
 - the model's buffers: host copies at every capture (running statistics are written without a
   `_version` bump, and anything written through `.data` too);
-- the parameters the optimizer does not train that a step writes, the generators the model holds
-  and the gradients present at entry, on the model and on leaves outside it that the backward
+- the parameters the optimizer does not train that a step writes, the generators the model holds,
+  its modules' own public attributes a forward may write (a plain tensor, a counter) and the
+  gradients present at entry, on the model and on leaves outside it that the backward
   reaches (`model_state`);
 - the optimizer's param_groups (every entry but "params"; the state is rolled back by
   `atomic.Snapshot`, the trained parameters are only written by a step);
@@ -30,7 +31,7 @@ import sys
 import torch
 
 from autofit import torch_internals as ti
-from autofit.engine.model_state import Generators, Gradients, Untrained
+from autofit.engine.model_state import Attributes, Generators, Gradients, Untrained
 from autofit.engine.whole_state import OptimizerState, StateDicts, Tensors
 from autofit.gpu.device import _map_tensors
 
@@ -164,8 +165,8 @@ class StartState:
         self.untrained = Untrained(model, optimizer, device)
         self.generators = Generators(model)
         self.gradients = Gradients(model, device)
-        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, _Groups(optimizer, device),
-                      self.gradients]
+        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, Attributes(model, device),
+                      _Groups(optimizer, device), self.gradients]
         self.attempts = 0
 
     def capture(self, batch=None) -> None:
