@@ -49,26 +49,26 @@ def chain(optimizer) -> list:
     return out
 
 
-def holders(optimizer) -> list:
-    """The optimizers of `chain` that keep a state of their own (each `state` mapping once)."""
+def _owning(optimizer, attr: str) -> list:
+    """The optimizers of `chain` with an `attr` of their own (each object it names once: a wrapper
+    whose `state` or `param_groups` is its inner one's counts once)."""
     out, seen = [], set()
     for opt in chain(optimizer):
-        state = getattr(opt, "state", None)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
+        value = getattr(opt, attr, None)
+        if value is not None and id(value) not in seen:
+            seen.add(id(value))
             out.append(opt)
     return out
+
+
+def holders(optimizer) -> list:
+    """The optimizers of `chain` that keep a state of their own (each `state` mapping once)."""
+    return _owning(optimizer, "state")
 
 
 def group_owners(optimizer) -> list:
     """The optimizers of `chain` with param_groups of their own (each list once)."""
-    out, seen = [], set()
-    for opt in chain(optimizer):
-        groups = getattr(opt, "param_groups", None)
-        if groups is not None and id(groups) not in seen:
-            seen.add(id(groups))
-            out.append(opt)
-    return out
+    return _owning(optimizer, "param_groups")
 
 
 def _wraps_an_optimizer(value) -> bool:
