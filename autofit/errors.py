@@ -7,6 +7,21 @@ import torch
 from autofit.sizes import format_size
 
 
+def chain(error: BaseException | None):
+    """`error`, then the errors it was raised from or during, as Python prints the chain:
+    `__cause__`, else `__context__` unless the raise suppressed it (`raise X from None`)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        if error.__cause__ is not None:
+            error = error.__cause__
+        elif error.__suppress_context__:
+            return
+        else:
+            error = error.__context__
+
+
 def one_line(error: BaseException) -> str:
     """'Type: first line of the message' (torch's messages run to many lines)."""
     lines = str(error).strip().splitlines()

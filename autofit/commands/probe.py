@@ -8,7 +8,7 @@ import sys
 from autofit.sizes import format_size
 from autofit.commands import finetune, verdict
 from autofit.commands import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError, attempts_table, out, positive_arg, size_arg
-from autofit.errors import NoLossError, one_line
+from autofit.errors import NoLossError, chain, one_line
 
 # Without CUDA to measure it: the context (kernels, cuBLAS/cuDNN handles) takes ~0.3-0.45 GiB
 # outside any allocator budget.
@@ -128,13 +128,7 @@ def cmd_probe(args) -> int:
 
 
 def _caused_by(error: BaseException, kind: type) -> bool:
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
+    return any(isinstance(link, kind) for link in chain(error))
 
 
 LONGER = 4  # how much longer each row the hint tries

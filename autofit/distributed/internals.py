@@ -1,4 +1,7 @@
-"""Every private name of torch.distributed that autofit uses, in this one module, and the check of
+"""(Over 300 lines on purpose: one place per outside library's private access, so every such name of
+torch.distributed, each with the short function that reaches it, is here and nowhere else.)
+
+Every private name of torch.distributed that autofit uses, in this one module, and the check of
 all of them (`missing`, `internals_missing`), so a torch that lacks one is refused up front with the
 names instead of failing half-way through a step on every rank. Written against torch 2.13.
 
@@ -7,9 +10,7 @@ recovery call, `FSDPModule.reset_iter_state()`; what it leaves (the unsharded st
 gather that failed in its copy-out, gradients accumulated with sync off) and what torch has no
 public API for (each parameter group's comms, its reduction and resharding settings, the default
 group's timeout and store, DTensor's found-inf reduction) is reached here. A test reads this
-module's source and requires every private name in it to be in CHECKED.
-(Over 300 lines on purpose: one place per outside library's private access, so every such name of
-torch.distributed, each with the short function that reaches it, is here and nowhere else.)"""
+module's source and requires every private name in it to be in CHECKED."""
 
 from __future__ import annotations
 

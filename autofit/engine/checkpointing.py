@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
-import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from autofit import torch_internals as ti
+from autofit.engine.model_state import module_generators
+from autofit.engine.replay import python_rng_state, set_python_rng_state
 from autofit.integrations import transformers_internals as hf_internals
 from autofit.plans.coupling import coupled_modules
 
@@ -111,7 +111,7 @@ class _Recompute:
     def _forward(self):
         with torch.no_grad():
             found = [(b, b.clone(), ti.version(b)) for b in _buffers(self.block)]
-        self.generators = _generators_of(self.block)
+        self.generators = module_generators(self.block)
         self.found_rng = _rng(self.generators)
         yield
         with torch.no_grad():
@@ -147,24 +147,16 @@ def _buffers(block) -> list:
     return list({id(b): b for b in block.buffers() if b is not None and id(b) not in coupled}.values())
 
 
-def _generators_of(block) -> list:
-    from autofit.engine.model_state import _generators  # the one reading of a module's generators
-    return _generators(block)
-
-
 def _rng(generators) -> tuple:
-    numpy = sys.modules.get("numpy")
-    return ([g.get_state() for g in generators], random.getstate(),
-            numpy.random.get_state() if numpy is not None else None)
+    """The block's generators and Python's and numpy's (torch's own the checkpoint forks)."""
+    return [g.get_state() for g in generators], python_rng_state()
 
 
 def _set_rng(generators, state) -> None:
-    own, py, np_state = state
+    own, python = state
     for g, value in zip(generators, own):
         g.set_state(value)
-    random.setstate(py)
-    if np_state is not None:
-        sys.modules["numpy"].random.set_state(np_state)
+    set_python_rng_state(python)
 
 
 def _checkpointed(forward, block):

@@ -124,7 +124,8 @@ class Untrained:
                 entry[4] = ti.version(p)
 
 
-def _generators(model) -> list[torch.Generator]:
+def module_generators(model) -> list[torch.Generator]:
+    """Every `torch.Generator` a module of `model` holds as an attribute, each once."""
     found, seen = [], set()
     for module in model.modules():
         for value in vars(module).values():
@@ -142,7 +143,7 @@ class Generators:
         self.saved: list[tuple] = []
 
     def capture(self) -> None:
-        self.saved = [(g, g.get_state()) for g in _generators(self.model)]
+        self.saved = [(g, g.get_state()) for g in module_generators(self.model)]
 
     def restore(self) -> None:
         for g, state in self.saved:

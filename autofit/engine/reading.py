@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from autofit.engine.model_state import _generators as module_generators
+from autofit.engine.model_state import module_generators
 from autofit.engine.replay import rng_state, set_rng_state
 
 

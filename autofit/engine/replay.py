@@ -39,16 +39,26 @@ from autofit.gpu.device import _map_tensors
 def rng_state() -> tuple:
     """The global random generators: torch's (CPU, every CUDA device), Python's and numpy's."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    # numpy only when something imported it: code that never did cannot have drawn from it
-    numpy = sys.modules.get("numpy")
-    return torch.get_rng_state(), cuda, random.getstate(), numpy and numpy.random.get_state()
+    return (torch.get_rng_state(), cuda) + python_rng_state()
 
 
 def set_rng_state(state: tuple) -> None:
-    cpu, cuda, py, np_state = state
+    cpu, cuda, *python = state
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+    set_python_rng_state(tuple(python))
+
+
+def python_rng_state() -> tuple:
+    """Python's `random` and numpy's global generators (numpy only when something imported it:
+    code that never did cannot have drawn from it)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy and numpy.random.get_state()
+
+
+def set_python_rng_state(state: tuple) -> None:
+    py, np_state = state
     random.setstate(py)
     if np_state is not None:
         sys.modules["numpy"].random.set_state(np_state)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autofit import torch_internals as ti
+from autofit.errors import chain
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.simulate import INJECTED
 from autofit.sizes import format_size
@@ -81,14 +82,11 @@ def measure(device, error: BaseException) -> Fragmentation | None:
 
 def requested(error: BaseException | None) -> int | None:
     """The bytes an OOM message says were asked for ("Tried to allocate 20.00 MiB"), following the
-    chain of causes as `oom.is_oom` does; None when no message says."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        match = _REQUEST.search(str(error))
+    chain of causes as `oom.is_oom` does (`errors.chain`); None when no message says."""
+    for link in chain(error):
+        match = _REQUEST.search(str(link))
         if match:
             return int(float(match.group(1)) * _SCALE[match.group(2)])
-        error = error.__cause__ or error.__context__
     return None
 
 

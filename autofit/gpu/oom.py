@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from autofit.errors import PartialUpdateError
+from autofit.errors import PartialUpdateError, chain
 
 # Allocator messages that mean "out of memory" on the backends PyTorch ships, for errors that are
 # raised as plain RuntimeError (cuBLAS workspaces, HIP, XPU, the CPU allocator, older builds).
@@ -29,21 +29,13 @@ def is_oom(error: BaseException | None) -> bool:
     The chain is followed as Python prints it: `__cause__`, else `__context__` unless the raise
     suppressed it (`raise X from None` inside an OOM handler is a deliberate new error, not an OOM).
     """
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, PartialUpdateError):
+    for link in chain(error):
+        if isinstance(link, PartialUpdateError):
             return False  # an update half applied: replaying would apply part of it twice
-        if isinstance(error, torch.OutOfMemoryError):
+        if isinstance(link, torch.OutOfMemoryError):
             return True
-        if isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES):
+        if isinstance(link, RuntimeError) and any(m in str(link) for m in OOM_MESSAGES):
             return True
-        if error.__cause__ is not None:
-            error = error.__cause__
-        elif error.__suppress_context__:
-            return False
-        else:
-            error = error.__context__
     return False
 
 
