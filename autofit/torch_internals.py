@@ -1,14 +1,18 @@
 """Every private name of torch (outside torch.distributed, whose are in
 `autofit.distributed.internals`) that autofit uses, in this one module. Each is a small named
 function or constant saying what it is and why autofit needs it; `FEATURES` lists them by the autofit
-feature that needs them, and `require(feature)` (called when that feature is first used, once per
-process) refuses a torch that lacks one, naming it, the torch found and the feature. Written against
-torch 2.13. Imports nothing of autofit: every layer may use it."""
+feature that needs them. A feature is either required (`require(feature)`, called before the first
+step that needs it: a torch that lacks one of its names is refused, naming it, the torch found and
+the oldest torch that has it) or optional (`supported(feature)`, asked once per process when the run
+is set up: a torch that lacks one gets one log line saying what is skipped, and the plain behaviour).
+Written against torch 2.13; the versions CI runs are in README's "Supported versions". Imports
+nothing of autofit but its exceptions: every layer may use it."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 import torch
 # The base of the simulated GPU's counter (a class to subclass, so named at import: torch has had
@@ -16,6 +20,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 TESTED_WITH = "2.13"
+log = logging.getLogger("autofit")
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_VERSION = version_tuple(torch.__version__)  # the feature flags below are decided from it once
 
 
 from autofit.errors import MissingInternal  # noqa: E402  (errors imports nothing of autofit)
@@ -51,6 +65,7 @@ def _module_has(name: str) -> bool:
 
 SIMULATED = "the simulated GPU and the estimator's memory counter"
 REPLAY = "replaying a global batch from the same state"
+ALLOCATOR_SETTINGS = "expandable segments after fragmentation"
 
 # What each autofit feature reads of torch's private names: dotted paths, or ("nn.Module", name)
 # for the attributes nn.Module.__init__ makes on each instance.
@@ -73,11 +88,22 @@ FEATURES = {
         "torch._C._dispatch_has_kernel_for_dispatch_key", "torch.library.Library._destroy"),
     REPLAY: (
         "torch.Tensor._version", ("nn.Module", "_parameters"), ("nn.Module", "_buffers")),
-    "expandable segments after fragmentation": (
+    ALLOCATOR_SETTINGS: (
         "torch._C._accelerator_getAllocatorSettings", "torch._C._accelerator_setAllocatorSettings"),
     "batch-coupled layers under activation checkpointing": (
         "torch.nn.modules.batchnorm._BatchNorm", "torch._C._current_graph_task_id",
         "torch.autograd.Variable._execution_engine"),
+}
+
+# The oldest torch that has each feature's names, for the refusal's advice (None: every torch
+# autofit supports has them).
+SINCE = {ALLOCATOR_SETTINGS: "2.12"}
+
+# What a run does instead when an optional feature's names are missing (said in its one line).
+OPTIONAL = {
+    ALLOCATOR_SETTINGS: "after a fragmented OOM the cache is emptied and the plan replayed without "
+                        "switching segments to expandable; set PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True before the run to have them",
 }
 
 _checked: set[str] = set()
@@ -95,16 +121,33 @@ def missing(feature: str) -> list[str]:
     return out
 
 
+def _lacks(feature: str, lacking: list[str]) -> str:
+    since = SINCE.get(feature)
+    has_it = f"torch >= {since} has {'it' if len(lacking) == 1 else 'them'}" if since else \
+        f"torch {TESTED_WITH} has {'it' if len(lacking) == 1 else 'them'}"
+    return f"this torch {torch.__version__} lacks {', '.join(lacking)} ({has_it})"
+
+
 def require(feature: str) -> None:
     """Refuse `feature` on a torch that lacks one of its private names (checked once)."""
     if feature in _checked:
         return
     lacking = missing(feature)
     if lacking:
-        raise MissingInternal(
-            f"autofit's {feature} uses torch internals as torch {TESTED_WITH} has them, and this "
-            f"torch {torch.__version__} lacks {', '.join(lacking)}: install torch {TESTED_WITH}")
+        raise MissingInternal(f"autofit's {feature} needs torch internals: {_lacks(feature, lacking)}; "
+                              f"install torch {SINCE.get(feature) or TESTED_WITH} or newer")
     _checked.add(feature)
+
+
+@functools.cache
+def supported(feature: str) -> bool:
+    """Whether this torch has the names of optional `feature`; decided once per process (ask it
+    when a run is set up, never inside a recovery). Where it has not, one log line says what is
+    skipped and what the run does instead."""
+    lacking = missing(feature)
+    if lacking:
+        log.warning("autofit: %s skipped: %s; %s.", feature, _lacks(feature, lacking), OPTIONAL[feature])
+    return not lacking
 
 
 # -- the simulated GPU: a dispatch mode that counts every op's tensors ---------------------------
@@ -189,13 +232,13 @@ def disable_current_modes():
     return _disable_current_modes()
 
 
-GROUPED_MM_META = "torch._meta_registrations.meta_grouped_mm"
-
-
-def grouped_mm_meta(mat_a, mat_b, offs, bias, out_dtype):
-    """torch's own meta kernel of aten::_grouped_mm (autofit.estimator.meta_kernels widens it to
-    the dtypes the real kernels run; registered at the Meta key, it is called by its Python name)."""
-    return _resolve(GROUPED_MM_META)(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+def aten_op(name: str):
+    """The default overload of aten's op `name` (a private op such as `_grouped_mm`), or None on a
+    torch that has no such op."""
+    try:
+        return getattr(getattr(torch.ops.aten, name), "default")
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def flash_attention(*args, **kwargs):
@@ -249,14 +292,13 @@ def own_buffers(module) -> dict:
 
 # -- the allocator ---------------------------------------------------------------------------------
 def allocator_settings() -> str:
-    """The caching allocator's settings as a string (PYTORCH_ALLOC_CONF's syntax)."""
-    require("expandable segments after fragmentation")
+    """The caching allocator's settings as a string (PYTORCH_ALLOC_CONF's syntax). Optional: ask
+    `supported(ALLOCATOR_SETTINGS)` first (the getter exists from torch 2.12)."""
     return torch._C._accelerator_getAllocatorSettings()
 
 
 def set_allocator_settings(settings: str) -> None:
     """Set the caching allocator's settings at run time (expandable segments on, and back off)."""
-    require("expandable segments after fragmentation")
     torch._C._accelerator_setAllocatorSettings(settings)
 
 

@@ -10,7 +10,9 @@ from autofit.engine.controller import Controller
 from autofit.engine.step import StepRunner
 from autofit.gpu import fragmentation
 from autofit.gpu.device import open_device
-from autofit.gpu.fragmentation import Fragmentation, requested, with_expandable_segments
+from autofit import torch_internals as ti
+from autofit.gpu.fragmentation import (AllocatorSettings, ExpandableSegments, Fragmentation, cuda_allocator_settings,
+                                       requested, restored, with_expandable_segments)
 from autofit.plans.ladder import default_ladder
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
@@ -34,11 +36,13 @@ def _loss(model, batch):
     return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
-def _train(budget, eval_rows=0, caps="reserved"):
+def _train(budget, eval_rows=0, caps="reserved", segments=None):
     """One global batch of 2048 rows from micro 1024 x 2, on a simulated GPU whose cache an
-    evaluation over a larger batch (`eval_rows`, no gradients) left behind. -> (controller, loss)."""
+    evaluation over a larger batch (`eval_rows`, no gradients) left behind; `segments`: the
+    device's ExpandableSegments, as a CUDA device has them. -> (controller, loss)."""
     model = _mlp()
-    with autofit.simulate_gpu(budget, caps=caps), open_device() as device:
+    with autofit.simulate_gpu(budget, caps=caps), open_device() as device, restored(device):
+        device.segments = segments
         device.place_model(model)
         if eval_rows:
             model.eval()
@@ -71,6 +75,37 @@ def test_a_cache_fragmented_by_an_earlier_pass_is_emptied_and_the_same_plan_succ
     # The replay trained exactly what an unconstrained step trains.
     free, free_loss = _train(None)
     assert _attempts(free) == [(1024, 2, "ok")] and loss == free_loss
+
+
+def test_where_the_allocator_settings_can_be_written_segments_turn_expandable_and_come_back_after_the_run():
+    written = ["max_split_size_mb:128"]  # the settings the run finds, then each one written
+    segments = ExpandableSegments(AllocatorSettings(lambda: written[-1], written.append), environ={})
+    controller, loss = _train(46 * MiB, EVAL_ROWS, segments=segments)
+    assert _attempts(controller) == [(1024, 2, "oom"), (1024, 2, "ok")]
+    assert controller.attempts[1].reason.endswith(
+        "emptied the cache, switched on expandable segments, then the same plan again")
+    assert written[1:] == ["max_split_size_mb:128,expandable_segments:True",
+                       "max_split_size_mb:128,expandable_segments:False"]  # put back when the run ended
+    assert loss == _train(None)[1]
+
+
+def test_on_a_torch_that_cannot_read_the_allocator_settings_a_fragmented_oom_is_replayed_all_the_same(
+        monkeypatch, caplog):
+    """torch before 2.12 has no run-time getter of the allocator's settings: the switch is skipped
+    (one line, when the device is opened), and the fragmented OOM is still emptied and replayed."""
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    ti.supported.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="autofit"):
+            segments = ExpandableSegments(cuda_allocator_settings())
+            controller, loss = _train(46 * MiB, EVAL_ROWS, segments=segments)
+    finally:
+        ti.supported.cache_clear()
+    assert _attempts(controller) == [(1024, 2, "oom"), (1024, 2, "ok")]
+    assert controller.attempts[1].reason.endswith("emptied the cache, then the same plan again")
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == [
+        " expandable segments after fragmentation skipped"]
+    assert loss == _train(None)[1]
 
 
 def test_when_emptying_the_cache_does_not_help_the_ladder_steps_down():
@@ -152,7 +187,9 @@ def test_expandable_segments_are_added_to_the_allocator_settings_unless_chosen(s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_new_segments_are_expandable_after_the_switch_and_the_settings_come_back():
     import os
-    before = torch._C._accelerator_getAllocatorSettings()
+    if not ti.supported(ti.ALLOCATOR_SETTINGS):
+        pytest.skip(f"torch {torch.__version__} cannot read the allocator's settings (torch >= 2.12 can)")
+    before = ti.allocator_settings()
     if with_expandable_segments(before, os.environ) is None or torch.cuda.get_allocator_backend() != "native":
         pytest.skip("expandable segments already chosen, or not the native allocator")
 
@@ -169,7 +206,7 @@ def test_on_cuda_new_segments_are_expandable_after_the_switch_and_the_settings_c
         assert (expandable(fixed), expandable(grown)) == (False, True)
         assert fragmentation.free(device) == "emptied the cache"  # on already: nothing to switch
         del fixed, grown
-    assert torch._C._accelerator_getAllocatorSettings() == ",".join(
+    assert ti.allocator_settings() == ",".join(
         s for s in (before, "expandable_segments:False") if s)
     torch.cuda.empty_cache()
 

@@ -179,20 +179,41 @@ def test_the_files_not_yet_switched_still_reach_exactly_what_is_allowed_for_them
     assert {name: _reached(root / name, own) for name in NOT_YET_SWITCHED} == NOT_YET_SWITCHED
 
 
-def test_every_torch_internal_autofit_uses_is_in_this_torch_and_a_missing_one_is_named(monkeypatch):
+def test_each_torch_internal_is_here_exactly_on_the_torches_said_to_have_it_and_a_missing_one_is_named(monkeypatch):
+    """Run on every torch of the version matrix: the features this torch lacks are exactly those
+    whose first torch (`SINCE`) is newer, and a required feature's missing name is refused with the
+    torch found and the one to install."""
     import pytest
     import torch
     from autofit import torch_internals as ti
-    assert torch.__version__.startswith(ti.TESTED_WITH)
-    assert {feature: ti.missing(feature) for feature in ti.FEATURES} == {f: [] for f in ti.FEATURES}
+    lacking = {feature for feature in ti.FEATURES if ti.missing(feature)}
+    assert lacking == {f for f, since in ti.SINCE.items() if ti.TORCH_VERSION < ti.version_tuple(since)}
     feature = "batch-coupled layers under activation checkpointing"
     monkeypatch.setattr(ti, "_checked", set())
     monkeypatch.delattr(torch._C, "_current_graph_task_id")
     assert ti.missing(feature) == ["torch._C._current_graph_task_id"]
-    with pytest.raises(ti.MissingInternal, match=rf"autofit's {feature} uses torch internals as torch 2\.13 "
-                                                 rf"has them, and this torch {re.escape(torch.__version__)} "
-                                                 rf"lacks torch\._C\._current_graph_task_id: install torch 2\.13"):
+    with pytest.raises(ti.MissingInternal, match=rf"autofit's {feature} needs torch internals: this torch "
+                                                 rf"{re.escape(torch.__version__)} lacks "
+                                                 rf"torch\._C\._current_graph_task_id \(torch 2\.13 has it\); "
+                                                 rf"install torch 2\.13 or newer"):
         ti.batch_norm_base()
+
+
+def test_an_optional_feature_this_torch_lacks_is_said_once_and_skipped(monkeypatch, caplog):
+    import torch
+    from autofit import torch_internals as ti
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    ti.supported.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="autofit"):
+            assert [ti.supported(ti.ALLOCATOR_SETTINGS) for _ in range(3)] == [False] * 3
+        assert [r.getMessage() for r in caplog.records] == [
+            f"autofit: expandable segments after fragmentation skipped: this torch {torch.__version__} lacks "
+            f"torch._C._accelerator_getAllocatorSettings (torch >= 2.12 has it); after a fragmented OOM the "
+            f"cache is emptied and the plan replayed without switching segments to expandable; set "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run to have them."]
+    finally:
+        ti.supported.cache_clear()
 
 
 def test_a_missing_nn_module_slot_is_named(monkeypatch):

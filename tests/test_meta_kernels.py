@@ -86,3 +86,24 @@ def test_bf16_is_torchs_own_kernel_inside_as_outside():
 def test_mixed_operands_are_still_refused():
     with meta_kernels.widened(), pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
         torch._grouped_mm(meta(5, 8), meta(2, 8, 4, dtype=torch.float16), offs=meta(2, dtype=torch.int32))
+
+
+def test_an_estimate_registers_no_kernel_with_torchs_dispatcher(monkeypatch):
+    """torch 2.10-2.12 refuse a second Python kernel for an op (`allow_override`, absent in 2.4):
+    with every registration refused as those torches refuse it, a fp32 MoE is still estimated on
+    fake tensors, exactly, and so is a dense model."""
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("This is not allowed since there's already a kernel registered from python "
+                           "overriding _grouped_mm's behavior for Meta dispatch key and aten namespace.")
+    monkeypatch.setattr(torch.library.Library, "impl", refuse)
+    batch = moe_batch()
+    got = estimate(moe(), batch, Plan(8), device_type="cpu")
+    assert (got.method, got.peak_bytes) == ("fake", simulated_peak(moe(), batch, Plan(8)))
+
+
+def test_outside_the_estimator_the_widened_mode_answers_as_the_estimate_does():
+    offs = meta(2, dtype=torch.int32)
+    with meta_kernels.widened():
+        out = torch._grouped_mm(meta(10, 8), meta(2, 8, 6), offs=offs)
+    assert (tuple(out.shape), out.dtype, out.stride(), out.device.type) == ((10, 6), torch.float32, (8, 1), "meta")
+    assert meta_kernels.substitute(torch.ops.aten.mm.default, (meta(2, 2), meta(2, 2)), {}) is None

@@ -178,6 +178,9 @@ class Checkpointing:
         self.model = model
         self._hf_model = hf_model(model)
         self.hf = self._hf_model is not None
+        # whether the input hooks transformers' switch adds can be told apart and removed when the
+        # switch goes back off: decided here, when the run is set up, never inside a recovery
+        self._hooks_readable = self.hf and hf_internals.supported(hf_internals.CHECKPOINTING)
         self.initial = _hf_state(self._hf_model) if self.hf else False
         self.blocks = None if self.hf else largest_block_list(model)
         self.on = self.initial
@@ -196,13 +199,13 @@ class Checkpointing:
         if self.hf:
             # transformers' enable also hooks the input embeddings (inputs require grad) and its
             # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
-            hf_internals.require("activation checkpointing of a transformers model")
+            # (where the hooks cannot be read they stay as transformers' switch leaves them)
             before = {id(h) for h in hf_internals.require_grads_hooks(self._hf_model)}
             _hf_switch(self._hf_model, on)
-            if on:
+            if self._hooks_readable and on:
                 self._own_hooks = [h for h in hf_internals.require_grads_hooks(self._hf_model)
                                    if id(h) not in before]
-            else:
+            elif self._hooks_readable:
                 self._remove_own_hooks()
         else:
             for block in self.blocks:

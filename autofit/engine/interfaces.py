@@ -36,6 +36,7 @@ class Device(Protocol):
     counts: bool         # whether memory_allocated() means anything
     caps_reserved: bool  # whether the budget caps reserved bytes (then the cache's layout can OOM)
     budget: int | None
+    segments: object     # gpu.fragmentation.ExpandableSegments where segments can be switched, else None
 
     def memory_allocated(self) -> int: ...
     def max_memory_allocated(self) -> int: ...

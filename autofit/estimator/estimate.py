@@ -75,7 +75,7 @@ from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.interfaces import Batch, LossFn, OptimizerArg
 from autofit.estimator.cuda_numerics import numerics_as_on_cuda
 from autofit.estimator.memoized import emptied_after, memoized_of
-from autofit.estimator.meta_kernels import widened
+from autofit.estimator.meta_kernels import substitute
 from autofit.estimator.eager_only import EagerOnly, eager_only
 from autofit.estimator.data_dependent import Hints, silenced_torch_logs, upper_bound
 from autofit.gpu.device import SimulatedDevice, _map_tensors
@@ -321,11 +321,20 @@ def _device_query(func, args):
 
 
 def _estimate_count(self, func, types, args=(), kwargs=None):
-    """The counting mode's dispatch, device queries answered first (`_device_query`)."""
+    """The counting mode's dispatch, device queries answered first (`_device_query`), and a
+    call whose meta kernel is stricter than the real kernels made as the real kernel allocates
+    (`meta_kernels.substitute`)."""
     device = _device_query(func, args)
     if device is not None:
         return device
-    return _count(self, func, types, args, kwargs)
+    return _count(self, *as_run(func, types, args, kwargs))
+
+
+def as_run(func, types, args, kwargs) -> tuple:
+    """(func, types, args, kwargs) as the estimate runs the op: `meta_kernels.substitute`'s call
+    where it has one, else the op itself."""
+    swapped = substitute(func, args, kwargs)
+    return (func, types, args, kwargs) if swapped is None else (swapped[0], types, *swapped[1:])
 
 
 _SKIPPED = _skipped_by_dynamo(_estimate_count)
@@ -610,7 +619,7 @@ class Estimator:
         attention = (numerics_as_on_cuda(self.mode) if self.device_type == "cuda"
                      else contextlib.nullcontext())
         try:
-            with self.mode, attention, widened(), self._counting_mode(meter), \
+            with self.mode, attention, self._counting_mode(meter), \
                     _step_hooks(self.optimizer, device, self._before_step, [meter.step_ends]):
                 with meter.as_kind("params"):
                     meter.track(params)

@@ -1,31 +1,32 @@
-"""Meta kernels stricter than the kernels they stand for, widened while an estimate runs.
+"""Meta kernels stricter than the kernels they stand for, answered in their place while an estimate runs.
 
 The estimator runs a step on fake tensors, whose shapes come from torch's meta kernels. A meta kernel
 that refuses what the real kernels run makes a model that trains on a card impossible to estimate:
 - `aten::_grouped_mm`, the grouped matmul of transformers' mixture-of-experts layers (Qwen2-MoE,
-  Mixtral, OLMoE, ... with `experts_implementation="grouped_mm"`, their default). torch 2.13's meta
-  kernel accepts bf16 only, as CUDA's first grouped kernel did; CUDA's kernel now falls back to a
-  loop of mm for other dtypes (into one output it allocates as the fast kernel does), and CPU's
-  runs any float dtype. So a fp32 MoE failed its estimate ("Expected inputs of BF16 type") while it
-  trains. While an estimate runs, a bf16 call goes to torch's own meta kernel and an fp32 or fp16
-  one gets its output from the same shape rule; nothing else is allocated, as in CUDA's fallback.
+  Mixtral, OLMoE, ... with `experts_implementation="grouped_mm"`, their default). Its meta kernel
+  accepts bf16 only, as CUDA's first grouped kernel did; CUDA's kernel now falls back to a loop of mm
+  for other dtypes (into one output it allocates as the fast kernel does), and CPU's runs any float
+  dtype. So a fp32 MoE would fail its estimate ("Expected inputs of BF16 type") while it trains.
+  An fp32 or fp16 call gets its output from the same shape rule; nothing else is allocated, as in
+  CUDA's fallback. A bf16 call, and any call this rule does not cover, goes to torch's own kernel.
 
-The kernels are registered at the Meta key only while at least one estimate's walk is inside
-`widened()` (on any device type: the meta kernel is stricter than CPU's kernel too) and unregistered
-when the last one leaves, so torch's own meta kernels are back for anything else.
+Nothing is registered with torch's dispatcher: the estimator's counting mode, which sees every op
+before the fake mode does, asks `substitute` for the call it should make instead. torch 2.10-2.12
+refuse a second Python kernel for an op (unless `allow_override=True`, a keyword torch 2.4 lacks),
+and a kernel registered process-wide would also be seen by the user's own code: a dispatch-time
+answer needs neither and works on every torch. `widened()` pushes the same answer as a dispatch mode
+of its own, for code that runs ops on fake or meta tensors outside the estimator's modes.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
-import warnings
 
 import torch
 
 from autofit import torch_internals as ti
 
 WIDENED = (torch.float32, torch.float16)  # what the real grouped kernels run beyond bf16
+GROUPED_MM = ti.aten_op("_grouped_mm")  # None on a torch without the grouped matmul
+_EMPTY_STRIDED = torch.ops.aten.empty_strided.default
 
 
 def _grouped_mm_output_shape(mat_a, mat_b, offs) -> list:
@@ -43,11 +44,11 @@ def _grouped_mm_output_shape(mat_a, mat_b, offs) -> list:
     return [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
 
 
-def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """`aten::_grouped_mm` at the Meta key: torch's kernel for bf16, the real kernels' rule for
-    fp32 and fp16 (both operands one dtype; a 2D operand needs `offs`, as on every device)."""
+def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The allocation of `aten::_grouped_mm`'s fp32/fp16 kernels, as (op, args, kwargs); None for
+    the calls torch's own meta kernel answers (bf16, mixed operands)."""
     if not (mat_a.dtype in WIDENED and mat_b.dtype == mat_a.dtype):
-        return ti.grouped_mm_meta(mat_a, mat_b, offs, bias, out_dtype)
+        return None
     torch._check(offs is not None or (mat_a.dim() == 3 and mat_b.dim() == 3),
                  lambda: "a 2D operand of a grouped matmul needs offs")
     shape = _grouped_mm_output_shape(mat_a, mat_b, offs)
@@ -56,36 +57,24 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     align = 16 // dtype.itemsize
     padded = -(-shape[-1] // align) * align
     stride = [shape[1] * padded, padded, 1] if len(shape) == 3 else [padded, 1]
-    return torch.empty_strided(shape, stride, dtype=dtype, device=mat_a.device)
+    return _EMPTY_STRIDED, (shape, stride), {"dtype": dtype, "device": mat_a.device}
 
 
-def _register() -> torch.library.Library:
-    """The widened kernels, registered at the Meta key over torch's own (ti.destroy_library puts
-    torch's back). torch warns once that a kernel is overridden: here that is the intent."""
-    library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
-        if ti.present(ti.GROUPED_MM_META):  # a torch without it has no grouped matmul to widen
-            library.impl("_grouped_mm", grouped_mm, "Meta")
-    return library
+def substitute(func, args, kwargs):
+    """The call to make instead of `func(*args, **kwargs)` where torch's meta kernel is stricter
+    than the real kernels, as (op, args, kwargs); None (run `func` itself) for every other call.
+    One identity test per op: the counting modes call it on every op."""
+    if func is not GROUPED_MM or GROUPED_MM is None:
+        return None
+    return _grouped_mm_output(*args, **(kwargs or {}))
 
 
-_state = {"users": 0, "library": None}
-_lock = threading.Lock()
+class widened(ti.TorchDispatchMode):
+    """While inside, ops on fake or meta tensors get `substitute`'s answers (ops run outside the
+    estimator's counting modes; those ask `substitute` themselves)."""
 
-
-@contextlib.contextmanager
-def widened():
-    """While inside (nested and from several threads alike), the widened meta kernels are torch's."""
-    with _lock:
-        if _state["users"] == 0:
-            _state["library"] = _register()
-        _state["users"] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _state["users"] -= 1
-            if _state["users"] == 0:
-                ti.destroy_library(_state["library"])
-                _state["library"] = None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        swapped = substitute(func, args, kwargs)
+        if swapped is not None:
+            func, args, kwargs = swapped
+        return func(*args, **(kwargs or {}))

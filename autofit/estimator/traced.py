@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter, _device_query
+from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter, _device_query, as_run
 from autofit.estimator.fakes import fake_optimizer, warm
 from autofit.estimator.repeated import cut_fake_model
 from autofit.gpu.simulate import _count, _CountingMode, _skipped_by_dynamo, _tensors
@@ -144,7 +144,7 @@ def _traced_count(self, func, types, args=(), kwargs=None):
     gpu = self.gpu
     gpu.op = (func, args, kwargs or {})
     try:
-        return _count(self, func, types, args, kwargs)
+        return _count(self, *as_run(func, types, args, kwargs))
     finally:
         gpu.op = None
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from autofit.gpu.fragmentation import restored
+from autofit.gpu.fragmentation import ExpandableSegments, cuda_allocator_settings, restored
 from autofit.gpu.simulate import active_gpu, round_bytes, simulate_gpu
 from autofit.sizes import format_size, parse_size
 
@@ -59,6 +59,7 @@ class Device:
     budget: int | None = None
     counts = False  # whether memory_allocated() means anything
     caps_reserved = False  # whether the budget caps reserved bytes (then the cache's layout can OOM)
+    segments = None  # fragmentation.ExpandableSegments where the allocator can switch them (CUDA)
 
     @property
     def torch_device(self) -> torch.device:
@@ -203,10 +204,11 @@ class CudaDevice(Device):
     counts = True
     caps_reserved = True
     type = "cuda"
-    allocator_settings_before = None  # what fragmentation.free changed, put back on exit
 
     def __init__(self, index: int = 0, budget=None):
         self.index = index
+        # decided here, when the run is set up, never inside a recovery
+        self.segments = ExpandableSegments(cuda_allocator_settings())
         self.name = torch.cuda.get_device_name(index)
         self.total_bytes = torch.cuda.get_device_properties(index).total_memory
         self.budget = None if budget is None else parse_size(budget)

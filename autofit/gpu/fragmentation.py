@@ -27,6 +27,7 @@ import contextlib
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,7 +41,9 @@ _REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ?(bytes|KiB|MiB|GiB|TiB)")
 _SCALE = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _EXPANDABLE = "expandable_segments"
 _OFF = f"{_EXPANDABLE}:False"
-_RESTORED: set = set()  # settings strings `restored` wrote: their explicit False is autofit's, not the user's
+# Settings strings a run put back, in this process (the allocator is the process's): their explicit
+# False is autofit's, not the user's choice, when a later run reads them.
+_RESTORED: set = set()
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def requested(error: BaseException | None) -> int | None:
 def free(device) -> str:
     """Free what fragments the device; returns what was done, for the attempt's reason."""
     done = []
-    if device.type == "cuda" and switch_on_expandable_segments(device):
+    if device.segments is not None and device.segments.switch_on():
         done.append("switched on expandable segments")
     device.empty_cache()
     return ", ".join(["emptied the cache"] + done)
@@ -101,29 +104,64 @@ def free(device) -> str:
 
 # -- CUDA: expandable segments, switched on while running -------------------------------------------
 
-def switch_on_expandable_segments(device) -> bool:
-    """Turn expandable segments on for the segments CUDA makes from now on; False when not allowed.
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """Run-time access to the caching allocator's settings string (PYTORCH_ALLOC_CONF's syntax)."""
+
+    read: Callable[[], str]
+    write: Callable[[str], None]
+
+
+def cuda_allocator_settings() -> AllocatorSettings | None:
+    """This process's access to CUDA's allocator settings, or None where switching is not
+    possible: a torch without a run-time getter (before 2.12: said once per process by
+    `torch_internals.supported`, when the device is opened), or the cudaMallocAsync backend."""
+    if not ti.supported(ti.ALLOCATOR_SETTINGS) or torch.cuda.get_allocator_backend() != "native":
+        return None
+    return AllocatorSettings(ti.allocator_settings, ti.set_allocator_settings)
+
+
+class ExpandableSegments:
+    """Expandable segments switched on after fragmentation, for the rest of a run, and the settings
+    the run found put back when it ends. One per opened CUDA device.
 
     PyTorch reads the option each time it makes a new segment (CUDACachingAllocator.cpp,
     `alloc_block`: `CUDAAllocatorConfig::expandable_segments()`), so it can be switched after the
     first allocation; segments made before stay fixed until `empty_cache()` releases them. It does
-    nothing under the cudaMallocAsync backend or for private pools (CUDA graphs, MemPool), and is
-    left alone when the user chose a value (in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF or at
-    run time). Settings are parsed as a whole (options left out return to their defaults), so the
-    current string is extended, and `restored(device)` puts it back afterwards.
+    nothing for private pools (CUDA graphs, MemPool), and is left alone when the user chose a value
+    (in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF or at run time). Settings are parsed as a whole
+    (options left out return to their defaults), so the current string is extended.
     """
-    if torch.cuda.get_allocator_backend() != "native":
-        return False
-    current = ti.allocator_settings()
-    if current in _RESTORED:  # what a previous run put back: the default, not a choice
-        current = current[:-len(_OFF)].rstrip(",")
-    new = with_expandable_segments(current, os.environ)
-    if new is None:
-        return False
-    ti.set_allocator_settings(new)
-    if getattr(device, "allocator_settings_before", None) is None:
-        device.allocator_settings_before = current
-    return True
+
+    def __init__(self, settings: AllocatorSettings | None, environ=os.environ):
+        self.settings = settings
+        self.environ = environ
+        self.before: str | None = None  # the settings found, once this switched them
+
+    def switch_on(self) -> bool:
+        """Turn expandable segments on for the segments made from now on; False when not allowed."""
+        if self.settings is None:
+            return False
+        current = self.settings.read()
+        if current in _RESTORED:  # what a previous run put back: the default, not a choice
+            current = current[:-len(_OFF)].rstrip(",")
+        new = with_expandable_segments(current, self.environ)
+        if new is None:
+            return False
+        self.settings.write(new)
+        if self.before is None:
+            self.before = current
+        return True
+
+    def restore(self) -> None:
+        """Put back the settings `switch_on` changed (nothing when it changed none)."""
+        if self.before is None:
+            return
+        # Off again explicitly: an empty string may leave the parsed options as they are.
+        back = ",".join(s for s in (self.before, _OFF) if s)
+        _RESTORED.add(back)
+        self.settings.write(back)
+        self.before = None
 
 
 def with_expandable_segments(settings: str, environ) -> str | None:
@@ -136,17 +174,12 @@ def with_expandable_segments(settings: str, environ) -> str | None:
 
 @contextlib.contextmanager
 def restored(device):
-    """Put back the allocator settings `switch_on_expandable_segments` changed, on exit."""
+    """Put back the allocator settings the device's run switched, on exit."""
     try:
         yield device
     finally:
-        before = getattr(device, "allocator_settings_before", None)
-        if before is not None:
-            # Off again explicitly: an empty string may leave the parsed options as they are.
-            back = ",".join(s for s in (before, _OFF) if s)
-            _RESTORED.add(back)
-            ti.set_allocator_settings(back)
-            device.allocator_settings_before = None
+        if device.segments is not None:
+            device.segments.restore()
 
 
 def retry_reason(device, found: Fragmentation | None) -> str | None:

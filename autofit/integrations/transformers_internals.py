@@ -7,7 +7,9 @@ autofit: the engine's checkpointing switch uses it too."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 import sys
 
 TESTED_WITH = "5.24"
@@ -33,6 +35,13 @@ FEATURES = {
 
 _checked: set[str] = set()
 TRAINER = "the Trainer callback (autofit.integrations.hf_trainer)"
+CHECKPOINTING = "activation checkpointing of a transformers model"
+# What a run does instead when an optional feature's names are missing (said in its one line).
+OPTIONAL = {
+    CHECKPOINTING: "the input-embedding hooks transformers' gradient checkpointing adds stay on the model "
+                   "when autofit switches checkpointing back off (inputs keep requiring grad)",
+}
+log = logging.getLogger("autofit")
 
 
 def _found_version() -> str:
@@ -77,6 +86,18 @@ def require(feature: str, trainer=None) -> None:
             f"them, and this transformers {_found_version()} lacks {', '.join(lacking)}: install "
             f"transformers {TESTED_WITH}")
     _checked.add(feature)
+
+
+@functools.cache
+def supported(feature: str) -> bool:
+    """Whether this transformers has the names of optional `feature`; decided once per process
+    (ask it when a run is set up, never inside a recovery). Where it has not, one log line says what
+    is skipped and what the run does instead."""
+    lacking = missing(feature)
+    if lacking:
+        log.warning("autofit: %s skipped in part: this transformers %s lacks %s; %s.", feature,
+                    _found_version(), ", ".join(lacking), OPTIONAL[feature])
+    return not lacking
 
 
 # -- the Trainer ---------------------------------------------------------------------------------
