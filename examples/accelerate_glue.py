@@ -6,13 +6,16 @@ by one `step.evaluate` (optional: the script's own evaluation loop runs inside t
 memory allows; `step.evaluate` is what keeps it within the budget).
 
 - What `accelerator.prepare` returns is passed as it is: autofit steps the optimizer and scheduler the
-  wrappers wrap (see README, "Accelerate loops").
+  wrappers wrap (see docs/stepper.md, "Accelerate loops").
 - Evaluation: `step.evaluate(eval_dataloader, metric_fn=accuracy)` runs the model in inference mode
   with its own batch size (an OOM halves it), and under several processes combines every process's
   rows as one process would (each sample once): what `accelerator.gather_for_metrics` gives the
   script's metric. `metric_fn` returns per-batch means; the result is their row-weighted mean.
 
-    python examples/accelerate_glue.py      # a tiny random BERT on random data, seconds on a CPU
+    python examples/accelerate_glue.py      # a tiny random BERT on random data
+
+It takes about 20 s on an idle 2-core CPU box (imports included: torch, transformers and accelerate),
+and a few minutes when other jobs share the cores.
 """
 
 import torch

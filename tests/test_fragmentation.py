@@ -1,4 +1,4 @@
-"""Fragmentation is a move (README, "Simulated GPU"): an OOM that the caching allocator's holes caused
+"""Fragmentation is a move (docs/simulated-gpu.md): an OOM that the caching allocator's holes caused
 is replayed at the same plan after the cache is emptied, once per global batch, before the ladder
 steps down; the replay's attempt says "fragmentation" and why."""
 

@@ -51,7 +51,7 @@ def model():
 
 
 def sft(tmp_path, name, per=16, accum=1, steps=4, save_steps=2, callbacks=(), **extra):
-    options = dict(bf16=False, gradient_checkpointing=False)  # SFTConfig's defaults are True: see the README
+    options = dict(bf16=False, gradient_checkpointing=False)  # SFTConfig's defaults are True: see docs/trainer.md
     options.update(extra)
     args = trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=per,
                          gradient_accumulation_steps=accum, max_steps=steps, save_strategy="steps",

@@ -1,24 +1,24 @@
-"""README's Layout lists the layers in the order their imports follow: a layer imports only from the
-layers listed before it, but for the exceptions README names."""
+"""The Layout in docs/contributing.md lists the layers in the order their imports follow: a layer
+imports only from the layers listed before it, but for the exceptions that Layout names."""
 
 import ast
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# README's named exceptions made at module level: (importing module, imported layer). The others
-# README names (distributed/lockstep, estimator/sharded) import inside functions.
+# The Layout's named exceptions made at module level: (importing module, imported layer). The others
+# it names (distributed/lockstep, estimator/sharded) import inside functions.
 EXCEPTIONS = {("plans/applies", "engine"), ("plans/applies", "distributed"), ("engine/controller", "diagnosis"),
               ("integrations/lightning", "recipes")}
 
 
-# The adapters of outside libraries' private names (README, after the test commands) import nothing
+# The adapters of outside libraries' private names (docs/contributing.md, "Private names") import nothing
 # of autofit but errors and torch_internals (the bottom layer), so every layer may use them.
 ADAPTERS = {"integrations/transformers_internals", "distributed/internals"}
 
 
 def readme_layers() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "contributing.md").read_text()
     layout = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
     return re.findall(r"^- \*\*`(\w+)/`", layout, re.M)
 

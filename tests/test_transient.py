@@ -1,4 +1,4 @@
-"""Transient and lasting failures are told apart (README, "The ladder"): a size this run proved at
+"""Transient and lasting failures are told apart (docs/ladder.md, "The ladder"): a size this run proved at
 this row length is retried once after an OOM before the failure counts; failures the run records
 expire after a number of good steps, so it probes above them again; nothing is cached from a
 failure that a retry survived."""
