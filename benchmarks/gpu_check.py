@@ -122,19 +122,30 @@ def mib(n) -> str:
     return "-" if n is None else f"{n / MiB:.1f}"
 
 
+def failed(error: BaseException) -> str:
+    """A row's or a section's error, in one cell: the check goes on with the next one."""
+    return f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+
+
+def memory_row(build, batch, plan, cuda: bool) -> list:
+    predicted = autofit.estimate(build(), batch, plan).peak_bytes
+    allocated, reserved, replayed = two_steps(build, batch, plan, cuda)
+    return [mib(predicted), mib(allocated), ratio(predicted, allocated),
+            mib(reserved), mib(replayed), ratio(replayed, reserved)]
+
+
 def memory_table(cuda: bool) -> list[list]:
     rows = []
     for name, build, make_batch, sizes in configs(cuda):
         for precision in ("fp32", "bf16"):
             for checkpointing in (False, True):
                 for size in sizes:
-                    batch, plan = make_batch(size), Plan(size, precision=precision,
-                                                         checkpointing=checkpointing)
-                    predicted = autofit.estimate(build(), batch, plan).peak_bytes
-                    allocated, reserved, replayed = two_steps(build, batch, plan, cuda)
-                    rows.append([name, precision, "on" if checkpointing else "off", size,
-                                 mib(predicted), mib(allocated), ratio(predicted, allocated),
-                                 mib(reserved), mib(replayed), ratio(replayed, reserved)])
+                    plan = Plan(size, precision=precision, checkpointing=checkpointing)
+                    try:
+                        cells = memory_row(build, make_batch(size), plan, cuda)
+                    except Exception as error:  # noqa: BLE001  (each row's error is reported in its row)
+                        cells = [failed(error)] + [""] * 5
+                    rows.append([name, precision, "on" if checkpointing else "off", size, *cells])
     return rows
 
 
@@ -193,8 +204,13 @@ def main(argv=None) -> int:
     print(table(headers, memory_table(cuda)))
     print("allocated/reserved: " + ("torch.cuda's peaks over two steps" if cuda else
                                     "the simulated GPU's peaks over two steps (CPU tensors)"))
-    for line in recovery(cuda) + probe_verify(cuda):
-        print(line)
+    for section in (recovery, probe_verify):
+        try:
+            lines = section(cuda)
+        except Exception as error:  # noqa: BLE001  (a failed section is reported, the next one runs)
+            lines = [f"{section.__name__}: {failed(error)}"]
+        for line in lines:
+            print(line)
     print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
     return 0
 

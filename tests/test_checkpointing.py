@@ -5,7 +5,7 @@ import numpy
 import pytest
 import torch
 
-from autofit.engine.checkpointing import Checkpointing, largest_block_list
+from autofit.engine.checkpointing import Checkpointing, hf_checkpointing_state, hf_switch_checkpointing, largest_block_list
 from autofit.integrations import transformers_internals as hf_internals
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
@@ -191,24 +191,24 @@ def test_hugging_face_switch_on_off_and_restore(make, loss, inner):
     ck = Checkpointing(model)
     assert (ck.hf, ck.initial, ck.blocks, ck.available) == (True, False, None, True)
     ck.set(True)
-    assert model.is_activation_checkpointing
+    assert hf_checkpointing_state(model)
     assert layer_calls() == 2                       # recomputed in backward
     assert_same_grads(grads_of(model, loss), reference)
     ck.restore()
-    assert not model.is_activation_checkpointing and not ck.on
+    assert not hf_checkpointing_state(model) and not ck.on
     assert layer_calls() == 1
     assert_same_grads(grads_of(model, loss), reference)
 
 
 def test_hugging_face_model_that_came_with_checkpointing_on_gets_it_back(tiny_bert):  # the conftest fixture
     model = tiny_bert.train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    hf_switch_checkpointing(model, True)
     ck = Checkpointing(model)
     assert (ck.initial, ck.on) == (True, True)
     ck.set(False)
-    assert not model.is_activation_checkpointing
+    assert not hf_checkpointing_state(model)
     ck.restore()
-    assert model.is_activation_checkpointing
+    assert hf_checkpointing_state(model)
 
 
 # -- a wrapper of a Hugging Face model (peft's LoRA) ---------------------------------------------
@@ -232,14 +232,14 @@ def test_a_lora_wrapper_uses_the_wrapped_models_switch():
     calls = []
     inner.transformer.h[0].attn.register_forward_pre_hook(lambda *_: calls.append(1))
     ck.set(True)
-    assert inner.is_activation_checkpointing
+    assert hf_checkpointing_state(inner)
     calls.clear()
     grads = grads_of(model, gpt2_loss)
     assert len(calls) == 2                          # recomputed in backward
     assert grads.keys() == reference.keys()
     assert all(torch.equal(grads[n], reference[n]) for n in grads)
     ck.restore()
-    assert not inner.is_activation_checkpointing and not ck.on
+    assert not hf_checkpointing_state(inner) and not ck.on
     assert hf_internals.require_grads_hooks(inner) == []  # the input hooks the switch made are gone
 
 
@@ -292,7 +292,7 @@ def test_a_lora_run_steps_down_to_checkpointing_with_the_plain_loops_parameters(
     plain_loop(reference, batches, [4, 4], tokens=True,
                optimizer=torch.optim.AdamW(p for p in reference.parameters() if p.requires_grad))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
-    assert not model.get_base_model().is_activation_checkpointing  # handed back as it came
+    assert not hf_checkpointing_state(model.get_base_model())  # handed back as it came
 
 
 class Writes(torch.nn.Module):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from versions import cuda_here
 
 from autofit import cli
 from autofit.commands import probe
@@ -464,7 +465,7 @@ def test_probe_compares_the_reserved_peak_with_what_the_workspaces_leave(capsys)
 
 
 def test_probe_measures_the_context_reserve_where_cuda_is(capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_here(monkeypatch)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 * 2**30 - 517 * MiB, 80 * 2**30))
     code, got, _ = probe_json(capsys, "--gpu-mem", "1GiB", *TINY)
@@ -485,7 +486,7 @@ def test_probe_verify_trains_real_steps_under_the_budget(capsys, monkeypatch):
         with autofit.simulate_gpu(budget):
             return real_run(model, data, **kwargs)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_here(monkeypatch)
     monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
     # 4 MiB for tensors once the workspace reserve (64 MiB) is kept.
     code = main(["probe", "--gpu-mem", "68MiB", "--context-reserve", "0", "--verify", *TINY])
@@ -510,7 +511,7 @@ def test_probe_verify_that_does_not_fit_exits_1(capsys, monkeypatch):
     def nothing_fits(model, data, **kwargs):
         raise DoesNotFit("no plan of the ladder fits global batch 8 at step 0 on a card.\nmore")
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_here(monkeypatch)
     monkeypatch.setattr(autofit, "run", nothing_fits)
     assert main(["probe", "--gpu-mem", "1GiB", "--context-reserve", "0.5GiB", "--verify", *TINY]) == 1
     out, err = capsys.readouterr()

@@ -21,6 +21,7 @@ from autofit.gpu.memory import KINDS, format_breakdown
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import round_bytes, simulate_gpu
 from autofit.engine.step import StepRunner
+from autofit.engine.checkpointing import hf_checkpointing_state
 
 VOCAB = 200
 
@@ -140,7 +141,7 @@ def test_the_user_model_optimizer_and_batch_are_untouched():
         assert p.device.type == "cpu" and p.grad is None and p.requires_grad == flags[n]
         assert torch.equal(p, params[n]), n
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
-    assert not model.training and not model.is_activation_checkpointing
+    assert not model.training and not hf_checkpointing_state(model)
     assert all(torch.equal(optimizer.state[p][k], v) for p in optimizer.state
                for k, v in state[id(p)].items())
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups

@@ -202,14 +202,16 @@ def test_each_torch_internal_is_here_exactly_on_the_torches_said_to_have_it_and_
 def test_an_optional_feature_this_torch_lacks_is_said_once_and_skipped(monkeypatch, caplog):
     import torch
     from autofit import torch_internals as ti
-    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    for name in ("_accelerator_getAllocatorSettings", "_accelerator_setAllocatorSettings"):
+        monkeypatch.delattr(torch._C, name, raising=False)  # torch 2.6 has neither, 2.11 the setter only
     ti.supported.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="autofit"):
             assert [ti.supported(ti.ALLOCATOR_SETTINGS) for _ in range(3)] == [False] * 3
         assert [r.getMessage() for r in caplog.records] == [
             f"autofit: expandable segments after fragmentation skipped: this torch {torch.__version__} lacks "
-            f"torch._C._accelerator_getAllocatorSettings (torch >= 2.12 has it); after a fragmented OOM the "
+            f"torch._C._accelerator_getAllocatorSettings, torch._C._accelerator_setAllocatorSettings "
+            f"(torch >= 2.12 has them); after a fragmented OOM the "
             f"cache is emptied and the plan replayed without switching segments to expandable; set "
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the run to have them."]
     finally:
@@ -245,24 +247,48 @@ def _tiny_trainer(tmp_path):
     return transformers.Trainer(model=torch.nn.Linear(2, 1), args=args)
 
 
-def test_every_transformers_internal_autofit_uses_is_in_this_transformers_and_a_missing_one_is_named(
+def test_each_transformers_internal_is_here_exactly_on_the_versions_said_to_have_it_and_a_missing_one_is_named(
         tmp_path, monkeypatch):
+    """Run on every transformers of the version matrix: the features it lacks are exactly those whose
+    first version (`SINCE`) is newer, and the Trainer's refusal names the names, the version found
+    and the one to install."""
     import pytest
     transformers = pytest.importorskip("transformers")
+    from autofit import torch_internals as ti
     from autofit.integrations import transformers_internals as hf
-    assert transformers.__version__.startswith(hf.TESTED_WITH)
     trainer = _tiny_trainer(tmp_path)
-    assert {f: hf.missing(f, trainer) for f in hf.FEATURES} == {f: [] for f in hf.FEATURES}
+    found = ti.version_tuple(transformers.__version__)
+    lacking = {f for f in hf.FEATURES if hf.missing(f, trainer)}
+    assert lacking == {f for f, since in hf.SINCE.items() if found < ti.version_tuple(since)}
     monkeypatch.setattr(hf, "_checked", set())
     monkeypatch.delattr(transformers.Trainer, "_get_collator_with_removed_columns")
     monkeypatch.delattr(trainer, "_train_batch_size")
-    assert hf.missing(hf.TRAINER, trainer) == ["trainer._train_batch_size",
-                                               "Trainer._get_collator_with_removed_columns"]
-    with pytest.raises(RuntimeError, match=rf"autofit's {re.escape(hf.TRAINER)} uses transformers internals as "
-                                           rf"transformers 5\.24 has them, and this transformers "
-                                           rf"{re.escape(transformers.__version__)} lacks trainer\._train_batch_size, "
-                                           rf"Trainer\._get_collator_with_removed_columns: install transformers 5\.24"):
+    expected = ["trainer._train_batch_size", "Trainer._get_collator_with_removed_columns"]
+    assert hf.missing(hf.TRAINER, trainer) == expected + [f"Trainer source.{n}" for n in ("_tr_loss",)
+                                                          if hf.TRAINER in lacking]
+    with pytest.raises(hf.MissingInternal, match=rf"autofit's {re.escape(hf.TRAINER)} needs transformers internals: "
+                                                 rf"this transformers {re.escape(transformers.__version__)} lacks "
+                                                 rf"trainer\._train_batch_size, Trainer\._get_collator_with_removed_"
+                                                 rf"columns.* \(transformers >= 5\.3 has them\); install "
+                                                 rf"transformers 5\.3 or newer"):
         hf.set_train_batch_size(trainer, 8)
+
+
+def test_before_its_first_step_the_trainer_integration_refuses_a_transformers_without_its_names(tmp_path, monkeypatch):
+    """What a transformers older than 5.3 meets (no `_tr_loss` in the Trainer's loop): fit_trainer
+    refuses before anything runs, and the Trainer's arguments are as they were."""
+    import pytest
+    pytest.importorskip("transformers")
+    from autofit.integrations import transformers as integration
+    from autofit.integrations import transformers_internals as hf
+    trainer = _tiny_trainer(tmp_path)
+    monkeypatch.setattr(hf, "_checked", set())
+    monkeypatch.setattr(hf, "_source", lambda obj: "")  # the loop sets none of the names read from it
+    before = trainer.args.to_dict()
+    with pytest.raises(hf.MissingInternal, match=r"lacks Trainer source\._total_loss_scalar, Trainer source\._tr_loss, "
+                                                 r"Trainer source\._eval_dataloaders \(transformers >= 5\.3"):
+        integration.fit_trainer(trainer, budget="1GiB")
+    assert trainer.args.to_dict() == before
 
 
 def test_every_accelerate_internal_autofit_uses_is_in_this_accelerate_and_a_missing_one_is_named(monkeypatch):

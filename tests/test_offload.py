@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from versions import adagrad_takes_a_group_added_later
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofit
@@ -269,6 +270,8 @@ def assert_same_run(got, want):
 
 
 def _case(optimizer, scheduler, mutation, fault_step):
+    if (optimizer, mutation) == ("Adagrad", "add_param_group") and not adagrad_takes_a_group_added_later():
+        pytest.skip(f"torch {torch.__version__}'s Adagrad fails on a group added later, in the plain loop too")
     data = batches(sparse=optimizer == "SparseAdam")
     assert_same_run(offloaded(optimizer, scheduler, mutation, data, fault_step),
                     plain(optimizer, scheduler, mutation, data))

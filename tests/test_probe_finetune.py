@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from versions import cuda_here
 import transformers
 
 from autofit.cli import main
@@ -462,7 +463,7 @@ def test_verify_trains_the_fine_tune_the_probe_priced(capsys, monkeypatch):
         with autofit.simulate_gpu(budget):
             return real_run(model, data, optimizer=optimizer, **kwargs)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_here(monkeypatch)
     monkeypatch.setattr(autofit, "run", run_on_a_simulated_card)
     code = main(["probe", "--gpu-mem", "68MiB", "--context-reserve", "0", "--verify", "--model", "tiny-bert",
                  "--batch-size", "8", "--seq-len", "16", "--trainable", "frozen-base", "--weights", "bf16",

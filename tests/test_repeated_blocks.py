@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
+from autofit import torch_internals as ti
 from autofit.estimator.estimate import Estimator
 from autofit.estimator.repeated import alike, repeated_blocks
 from autofit.estimator.tiling import Repeated
@@ -42,6 +43,20 @@ def gpt2_batch(rows: int = 4, seq: int = 16) -> dict:
 
 
 FAMILIES = {"bert": (bert, bert_batch), "gpt2": (gpt2, gpt2_batch)}
+# Before torch 2.13 a checkpointed step's first, middle and last blocks allocate differently (its
+# non-reentrant checkpoint), so the estimate of a checkpointed plan walks the whole model: as exact,
+# only slower.
+CHECKPOINTED_BLOCKS_ALIKE = ti.TORCH_VERSION >= (2, 13)
+
+
+def expected_derivation(plan) -> tuple:
+    """(why the derivation fell back, per kind of plan; whether the kind was derived)."""
+    if not plan.checkpointing or CHECKPOINTED_BLOCKS_ALIKE:
+        return {}, [True]
+    kind = (plan.replace(micro_batch_size=1, accumulation_steps=1), False)
+    return {kind: "Untileable: the first, middle and last blocks allocate differently"}, [False]
+
+
 PLANS = [Plan(4), Plan(4, precision="bf16"), Plan(4, checkpointing=True), Plan(2, 2),
          Plan(4, offload_optimizer=True)]
 
@@ -68,7 +83,7 @@ def test_derived_estimates_equal_the_walk_of_the_whole_model(family, plan):
     repeated = derived._repeated
     assert isinstance(repeated, Repeated) and repeated.blocks == LAYERS
     # Both were derived (none fell back); the kind of plan was checked once against 4 blocks.
-    assert repeated.why == {} and list(repeated.checked.values()) == [True]
+    assert (repeated.why, list(repeated.checked.values())) == expected_derivation(plan)
 
 
 def test_a_cpu_step_with_the_single_tensor_optimizer_is_derived_too():
@@ -77,7 +92,9 @@ def test_a_cpu_step_with_the_single_tensor_optimizer_is_derived_too():
     full = Estimator(model, batch, device_type="cpu", derive_repeated=False)
     for plan in (Plan(2, 2, precision="bf16"), Plan(4, checkpointing=True)):
         _same(derived.measure(plan), full.measure(plan))
-    assert all(derived._repeated.checked.values()) and derived._repeated.why == {}
+        assert (derived._repeated.why, [derived._repeated.checked[k] for k in derived._repeated.checked
+                                        if k[0] == plan.replace(micro_batch_size=1, accumulation_steps=1)]) \
+            == expected_derivation(plan)
 
 
 def test_the_cut_copy_is_fake_and_the_model_is_untouched():

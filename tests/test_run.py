@@ -12,6 +12,7 @@ from autofit.plans.ladder import checkpointing, offload_optimizer
 from autofit.plans.plan import Plan
 from reference import bert, cls_batches, gpt2, lm_batches, max_diff, plain_loop
 from reference import second_step_peak as reference_peak
+from autofit.engine.checkpointing import hf_checkpointing_state
 
 # Many runs, each ending (and recovering from an OOM) with a full gc.collect(): see frozen_heap.
 pytestmark = pytest.mark.usefixtures("frozen_heap")
@@ -73,7 +74,7 @@ def test_checkpointing_and_offload_stepdowns_keep_the_mathematics(move, field):
     assert sequence(result) == [(0, 8, "oom"), (0, 8, "ok"), (1, 8, "ok"), (2, 8, "ok")]
     assert [getattr(h["plan"], field) for h in result.history] == [True, True, True]
     assert max_diff(model, plain_loop(bert(), batches, [8, 8, 8])) <= 1e-6
-    assert not model.is_activation_checkpointing  # the model is handed back as it came
+    assert not hf_checkpointing_state(model)  # the model is handed back as it came
 
 
 def test_exact_sequence_of_plans_for_a_budget():

@@ -11,6 +11,7 @@ import autofit
 from autofit.estimator import sharded
 from autofit.estimator.sharded import Sharding, estimate_sharded, sharding_of
 from autofit.plans.plan import Plan
+from versions import needs_fsdp2_runs
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
@@ -76,6 +77,7 @@ def test_sharding_is_read_from_a_sharded_model_and_the_callers_world_is_untouche
     assert not torch.distributed.is_initialized()  # the fake world never became this process's
 
 
+@needs_fsdp2_runs
 def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     from torch.distributed.fsdp import fully_shard
     from models import tiny_bert
@@ -117,6 +119,7 @@ def test_bad_sharding_says_the_value(kwargs, message):
         Sharding(**kwargs)
 
 
+@needs_fsdp2_runs
 def test_unknown_units_and_offload_plans_are_refused(tiny_bert, bert_batch):
     with pytest.raises(ValueError, match=r"units \['bert.nope'\] are not modules of BertFor"):
         estimate_sharded(tiny_bert, 2, Plan(4), bert_batch, units=["bert.nope"])
@@ -124,6 +127,7 @@ def test_unknown_units_and_offload_plans_are_refused(tiny_bert, bert_batch):
         estimate_sharded(tiny_bert, 2, Plan(4, offload_optimizer=True), bert_batch)
 
 
+@needs_fsdp2_runs
 def test_more_ranks_hold_less_and_the_model_is_left_as_it_was(tiny_bert, bert_batch):
     before = {k: v.clone() for k, v in tiny_bert.state_dict().items()}
     plan = Plan(len(bert_batch["input_ids"]))
@@ -136,6 +140,7 @@ def test_more_ranks_hold_less_and_the_model_is_left_as_it_was(tiny_bert, bert_ba
     assert not torch.distributed.is_initialized()
 
 
+@needs_fsdp2_runs
 def test_gathered_parameters_are_params_in_the_breakdown(tiny_bert, bert_batch):
     plan = Plan(len(bert_batch["input_ids"]))
     resharded = estimate_sharded(tiny_bert, 2, plan, bert_batch, device_type="cpu")
@@ -145,6 +150,18 @@ def test_gathered_parameters_are_params_in_the_breakdown(tiny_bert, bert_batch):
         assert sum(est.breakdown.values()) == est.peak_bytes
     # at the peak (forward's end) the gathered units are held beside the shards: more of them kept
     assert kept.breakdown["params"] > resharded.breakdown["params"] > resharded.resident["params"]
+
+
+def test_a_torch_whose_fsdp2_lacks_what_autofit_calls_is_refused(tiny_bert, bert_batch, monkeypatch):
+    """Before torch 2.13 FSDP2 has no `reset_iter_state` (what a sharded attempt is dropped with):
+    the sharded estimate is refused before its walk, naming it and the torch to install, and leaves
+    no process group behind."""
+    from torch.distributed.fsdp import FSDPModule
+    monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
+    with pytest.raises(RuntimeError, match=rf"this torch {torch.__version__.replace('+', '.')} lacks "
+                                           rf"unit\.reset_iter_state: install torch 2\.13"):
+        estimate_sharded(tiny_bert, 2, Plan(4), bert_batch, device_type="cpu")
+    assert not torch.distributed.is_initialized()
 
 
 # -- against the measurement on two gloo ranks -----------------------------------------------------

@@ -27,9 +27,10 @@ CHECKED = {
     "unit": ("_get_fsdp_state", "reset_iter_state", "set_gradient_divide_factor",
              "set_force_sum_reduction_for_comms", "set_requires_gradient_sync",
              "set_reshard_after_forward"),
-    "state": ("_fsdp_param_groups", "_auto_reshard_after_forward", "_is_root"),
-    # the estimator reads a sharded model's first parameter group (its mesh, precision, resharding)
-    "state class": ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group",),
+    # `state_param_groups` reads the parameter groups as either torch lays them out: a list
+    # `_fsdp_param_groups` (torch 2.13) or one `_fsdp_param_group` (before)
+    "state": ("_auto_reshard_after_forward", "_is_root"),
+    "state groups": ("_fsdp_param_groups", "_fsdp_param_group"),
     "param group": ("_all_gather_comm", "_reduce_scatter_comm", "post_forward_mesh_info",
                     "gradient_divide_factor", "force_sum_reduction_for_comms", "reduce_grads",
                     "all_reduce_grads", "fsdp_params", "mesh_info"),
@@ -116,7 +117,8 @@ def set_world_and_group_count(world, count) -> None:
 
 def first_param_group(state):
     """A fully_shard module's state's own parameter group (None when it has no parameters)."""
-    return state._fsdp_param_group
+    groups = state_param_groups(state)
+    return groups[0] if groups else None
 
 
 def is_fsdp_mark(key: str) -> bool:
@@ -126,12 +128,18 @@ def is_fsdp_mark(key: str) -> bool:
 
 
 def state_param_groups(state) -> list:
-    return getattr(state, "_fsdp_param_groups", ()) or ()
+    """A fully_shard state's parameter groups, in either of torch's layouts (`CHECKED["state
+    groups"]`: several per module in torch 2.13, at most one before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def refuse_missing_for_estimate() -> None:
     """Raise before a sharded estimate when this torch lacks the fake world's internals."""
-    lacking = [p for key in ("fake world", "state class") for p in CHECKED[key] if not _has(p)]
+    lacking = [p for p in CHECKED["fake world"] if not _has(p)]
     if lacking:
         raise RuntimeError(f"autofit's sharded estimate (a fake world of W ranks) uses "
                            f"torch.distributed internals as torch 2.13 has them, and this torch "
@@ -172,7 +180,7 @@ def comm_classes():
 
 
 def param_groups(unit) -> list:
-    return unit._get_fsdp_state()._fsdp_param_groups
+    return state_param_groups(unit._get_fsdp_state())
 
 
 def comms(group) -> tuple:
@@ -296,7 +304,9 @@ def internals_missing(units) -> list[str]:
             break
         state = unit._get_fsdp_state()
         out += [f"state.{n}" for n in CHECKED["state"] if not hasattr(state, n)]
-        for group in getattr(state, "_fsdp_param_groups", []) or []:
+        if not any(hasattr(state, n) for n in CHECKED["state groups"]):
+            out.append(f"state.{' or '.join(CHECKED['state groups'])}")
+        for group in state_param_groups(state):
             out += [f"param group.{n}" for n in CHECKED["param group"] if not hasattr(group, n)]
             mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
             if mesh is not None:

@@ -35,14 +35,14 @@ from autofit.plans.coupling import coupled_modules
 _KWARGS = {"use_reentrant": False}
 
 
-def _hf_state(model):
+def hf_checkpointing_state(model):
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     return None
 
 
-def _hf_switch(model, on: bool) -> None:
+def hf_switch_checkpointing(model, on: bool) -> None:
     if on:
         # Its layers are recomputed through their __call__: the coupling guard's pre-hooks see it.
         kwargs = dict(_KWARGS)
@@ -58,7 +58,7 @@ def _hf_switch(model, on: bool) -> None:
 
 
 def _is_hf(model) -> bool:
-    return getattr(model, "supports_gradient_checkpointing", False) and _hf_state(model) is not None
+    return getattr(model, "supports_gradient_checkpointing", False) and hf_checkpointing_state(model) is not None
 
 
 def hf_model(model: torch.nn.Module):
@@ -181,7 +181,7 @@ class Checkpointing:
         # whether the input hooks transformers' switch adds can be told apart and removed when the
         # switch goes back off: decided here, when the run is set up, never inside a recovery
         self._hooks_readable = self.hf and hf_internals.supported(hf_internals.CHECKPOINTING)
-        self.initial = _hf_state(self._hf_model) if self.hf else False
+        self.initial = hf_checkpointing_state(self._hf_model) if self.hf else False
         self.blocks = None if self.hf else largest_block_list(model)
         self.on = self.initial
         self._own_forward = {}
@@ -201,7 +201,7 @@ class Checkpointing:
             # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
             # (where the hooks cannot be read they stay as transformers' switch leaves them)
             before = {id(h) for h in hf_internals.require_grads_hooks(self._hf_model)}
-            _hf_switch(self._hf_model, on)
+            hf_switch_checkpointing(self._hf_model, on)
             if self._hooks_readable and on:
                 self._own_hooks = [h for h in hf_internals.require_grads_hooks(self._hf_model)
                                    if id(h) not in before]

@@ -44,7 +44,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autofit import torch_internals as ti
 from autofit.distributed import internals
-from autofit.distributed.fsdp import fsdp_units
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.step import StepRunner
 from autofit.estimator.data_dependent import Hints
@@ -108,13 +107,13 @@ def sharding_of(model: torch.nn.Module) -> Sharding | None:
     a block's reshard_after_forward and parameter dtype (the root's reshard is FSDP2's own choice)."""
     if not dist.is_available():  # no FSDP2 in this build: nothing can be sharded
         return None
-    sharded = {id(m) for m in fsdp_units(model)}  # [] where this torch has no public FSDP2
-    if not sharded:
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:  # a torch without FSDP2's public API: nothing was sharded with it
         return None
-    from torch.distributed.fsdp import fully_shard
     units, groups = [], []
     for name, module in model.named_modules():
-        if id(module) in sharded:
+        if isinstance(module, FSDPModule):
             if name:
                 units.append(name)
             group = internals.first_param_group(fully_shard.state(module))

@@ -67,6 +67,7 @@ from autofit.plans.ladder import ladder_of
 from autofit.plans.plan import Plan
 from autofit.sizes import format_size
 from autofit.estimator.start import tensor_budget
+from autofit.integrations import transformers_internals as hf_internals
 from autofit.integrations import hf_recovery as recovery
 from autofit.integrations import hf_trainer as hf
 from autofit.integrations.hf_eval import EvalGuard
@@ -129,15 +130,11 @@ class TrainerEval:
 # -- checks -------------------------------------------------------------------------------------
 
 def _check(trainer, precision: str, training: bool = False, train_kwargs=None) -> None:
-    import transformers
     from transformers import Trainer
 
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer but got {type(trainer).__name__}.")
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise RuntimeError(f"autofit.integrations.transformers needs transformers >= 5 (found "
-                           f"{transformers.__version__}): it sets mixed precision through "
-                           f"TrainingArguments.mixed_precision; upgrade transformers.")
+    hf_internals.require(hf_internals.TRAINER, trainer)  # before anything runs: a refusal changes nothing
     precisions.check_policy(precision)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):

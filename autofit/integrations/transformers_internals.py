@@ -2,8 +2,10 @@
 function saying what it is and why autofit needs it. `FEATURES` lists them by the autofit feature
 that needs them; `require(feature, trainer)` (called when that feature is first used, never at
 import: transformers is optional and is not imported here) refuses a transformers that lacks one,
-naming it, the version found and the feature. Written against transformers 5.24. Imports nothing of
-autofit: the engine's checkpointing switch uses it too."""
+naming it, the version found and the oldest that has it; `supported(feature)` (asked once when a run
+is set up) degrades an optional one with one log line. Written against transformers 5.24; the
+versions CI runs are in README's "Supported versions". Imports nothing of autofit but its
+exceptions: the engine's checkpointing switch uses it too."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import functools
 import inspect
 import logging
 import sys
+
+from autofit.errors import MissingInternal  # errors imports nothing of autofit
 
 TESTED_WITH = "5.24"
 
@@ -36,6 +40,9 @@ FEATURES = {
 _checked: set[str] = set()
 TRAINER = "the Trainer callback (autofit.integrations.hf_trainer)"
 CHECKPOINTING = "activation checkpointing of a transformers model"
+# The oldest transformers that has each feature's names, for the refusal's advice (the Trainer's
+# running loss `_tr_loss` came in 5.3).
+SINCE = {TRAINER: "5.3"}
 # What a run does instead when an optional feature's names are missing (said in its one line).
 OPTIONAL = {
     CHECKPOINTING: "the input-embedding hooks transformers' gradient checkpointing adds stay on the model "
@@ -81,10 +88,11 @@ def require(feature: str, trainer=None) -> None:
         return
     lacking = missing(feature, trainer)
     if lacking:
-        raise RuntimeError(
-            f"autofit's {feature} uses transformers internals as transformers {TESTED_WITH} has "
-            f"them, and this transformers {_found_version()} lacks {', '.join(lacking)}: install "
-            f"transformers {TESTED_WITH}")
+        since = SINCE.get(feature, TESTED_WITH)
+        raise MissingInternal(
+            f"autofit's {feature} needs transformers internals: this transformers {_found_version()} "
+            f"lacks {', '.join(lacking)} (transformers >= {since} has {'it' if len(lacking) == 1 else 'them'}); "
+            f"install transformers {since} or newer")
     _checked.add(feature)
 
 
