@@ -365,3 +365,23 @@ def test_a_recompute_starts_from_what_the_forward_found_and_leaves_what_it_left(
     assert got_draws == want_draws
     if kind == "counter":
         assert [int(m.calls) for m in got[1:4]] == [3, 3, 3]
+
+
+def test_a_transformers_whose_checkpointing_hooks_cannot_be_read_switches_all_the_same(tiny_bert, monkeypatch, caplog):
+    """An optional internal missing (transformers' record of the input hooks its switch adds): the
+    switch still turns checkpointing on and off; one line, said once, when the runs are set up."""
+    from autofit.integrations import transformers_internals as hf_internals
+    monkeypatch.setattr(hf_internals, "_source", lambda obj: "")  # enable_input_require_grads sets no record
+    hf_internals.supported.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="autofit"):
+            switches = [Checkpointing(tiny_bert), Checkpointing(tiny_bert)]
+            states = []
+            for on in (True, False):
+                switches[0].set(on)
+                states.append(hf_checkpointing_state(tiny_bert))
+    finally:
+        hf_internals.supported.cache_clear()
+    assert states == [True, False]
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == [
+        " activation checkpointing of a transformers model skipped in part"]
