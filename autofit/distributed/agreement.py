@@ -22,7 +22,7 @@ PHASES = ("at the start of the run", "agreeing on the budget", "choosing the sta
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
           "in evaluation", "counting the global batch", "clipping the gradients",
           "trying the optimizer on shards")
-FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
+FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective", "value3")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
 
@@ -68,11 +68,27 @@ class Verdict:
                     f"and dtypes: {shown}); give every rank the same model.")
         if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
             return self._collectives_differ()
+        ended = [r for r, h in alive if int(h["phase"]) == DONE]
+        if ended and len(ended) < len(alive):
+            return self._batches_differ(alive, ended)
         where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
                           f"{', plan hash %d' % int(h['plan']) if h['plan'] else ''}" for r, h in alive)
         return (f"the ranks are out of step: {where}. Give every rank the same global batches (the "
                 f"same number of them, each divisible by the world size) and the same model, "
                 f"optimizer and ladder.")
+
+    @staticmethod
+    def _batches_differ(alive: list, ended: list) -> str:
+        """Some ranks ended their data while others have another global batch: the one error of
+        per-rank data (shares may differ in rows, not in number)."""
+        going = [(r, int(h["step"])) for r, h in alive if r not in ended]
+        trained = {r: int(h["step"]) + 1 for r, h in alive if r in ended}
+        shown = "; ".join(f"rank {r} ended after {n} global batches" for r, n in trained.items())
+        more = "; ".join(f"rank {r} has global batch {s}" for r, s in going)
+        return (f"the ranks were given different numbers of batches: {shown}; {more}. Every rank must "
+                f"give the same number of batches (its shares may differ in rows): shard the data so "
+                f"that each rank's loader yields as many batches (a DistributedSampler does), or drop "
+                f"the extra batches.")
 
     def _collectives_differ(self) -> str | None:
         """When every rank goes on, they must be about to run the same FSDP collective (or none):
@@ -197,7 +213,7 @@ class Agreement:
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
                  mask: list[float] | None = None, host=contextlib.nullcontext,
-                 collective: int = 0) -> Verdict:
+                 collective: int = 0, value3: float = 0.0) -> Verdict:
         """One agreement. Call it outside any `except` block (an error raised here must not look
         like it was raised while handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
@@ -211,7 +227,7 @@ class Agreement:
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
             header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag), self.model_hash, collective], dtype=torch.float64)
+                                       float(flag), self.model_hash, collective, value3], dtype=torch.float64)
             if mask is not None and self.met:
                 header[n:] = torch.tensor(mask, dtype=torch.float64)
             rows = [t.tolist() for t in self._all_gather(header)]

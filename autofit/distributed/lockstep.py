@@ -97,7 +97,8 @@ import zlib
 
 import torch
 
-from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP, Agreement, where
+from autofit.distributed.agreement import BACKWARD, DONE, ERROR, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP
+from autofit.distributed.agreement import Agreement, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
@@ -106,8 +107,8 @@ from autofit.distributed.fsdp import Sharded, is_sharded
 from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
-from autofit.engine.batches import rows_of
-from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
+from autofit.engine.batches import row_elements, rows_of
+from autofit.errors import LockstepError, PartialUpdateError, PeerOutOfMemory, RankFailed
 from autofit.plans.plan import Plan
 
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the
@@ -151,6 +152,32 @@ def refuse_collective_layers(module) -> None:
                 f"wrapper.")
 
 
+def diverged(verdict, step: int) -> Exception:
+    """The error a rank raises when an unguarded optimizer step failed on some ranks and was
+    applied on the others: the ranks' weights now differ, so the run stops on every rank, each
+    told which ranks applied the update and which failed (with what). PartialUpdateError, or
+    RankFailed when a rank failed with another error than OOM (which that rank raises itself)."""
+    failed = {r: verdict.messages[r] if verdict.messages else "an error" for r in verdict.errors + verdict.ooms}
+    applied = [r for r in range(len(verdict.headers)) if r not in failed]
+    shown = "; ".join(f"rank {r} failed in it ({text}), its update not applied or applied in part"
+                      for r, text in sorted(failed.items()))
+    text = (f"the ranks' weights now differ after global step {step}'s optimizer step: "
+            f"{_ranks(applied)} applied the update; {shown}. The step was not guarded (no rank's "
+            f"step was at risk: its last run under this plan fitted with room to spare), so no rank "
+            f"can undo its part and the run stops on every rank; this is rank {verdict.rank}. Do not "
+            f"save one rank's weights as the run's: resume every rank from the last checkpoint.")
+    if verdict.errors:
+        error = RankFailed(text, rank=verdict.errors[0], error=failed[verdict.errors[0]])
+    else:
+        error = PartialUpdateError(text)
+    error.applied, error.failed = applied, failed
+    return error
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 class Lockstep(Deciding, Agreement):
     """The agreement between the ranks of one run; see the module's docstring."""
 
@@ -175,6 +202,9 @@ class Lockstep(Deciding, Agreement):
         self.global_batch = None
         self.global_rows = 0       # rows of the last global batch, over all ranks
         self.global_count = None   # its rows or label tokens over all ranks (per-rank data)
+        # (rows, elements per row) the plan of the last global batch covers on every rank: the
+        # largest share's with per-rank data (shares may differ in rows), else this rank's rows.
+        self.plan_shape = (0, 0)
         self.per_rank = False    # each rank's batch is its share of the global batch
         self.sharded = None      # autofit.distributed.fsdp.Sharded for a fully_shard model, from hello
         self.attempt_plan = None      # the plan of the attempt under way (its agreements carry it)
@@ -214,8 +244,35 @@ class Lockstep(Deciding, Agreement):
         verdict = self.agree(HELLO, value=digest, value2=float(kind), host=self._host)
         self.met = True  # every rank has this model: headers may carry per-parameter entries
         self.per_rank = per_rank({int(k) for k in verdict.values("value2")}, verdict.values(), self.world)
+        if self.per_rank:  # the first global batch's shape, which the start plan covers
+            self.plan_shape = self._agree_shape(SHARES, first)
         self.replicas.broadcast_from_rank0()
         return self.module
+
+    def first_shape(self, first) -> tuple[int, int]:
+        """(rows, elements per row) the start plan covers: see `plan_shape`."""
+        if self.per_rank:
+            return self.plan_shape
+        mine = self.local(first)
+        return rows_of(mine), row_elements(mine)
+
+    def _agree_shape(self, phase: int, mine, count=None) -> tuple[int, int]:
+        """With per-rank data: the largest share's rows and row length over all ranks (a plan per
+        global batch, the same on every rank, covering every rank's share), after an agreement
+        that also sums the shares' rows and `count`s (label tokens) into `global_rows` and
+        `global_count`."""
+        failure, counted, length = None, 0.0, 0.0
+        try:
+            with self._host():
+                counted = float(count(mine)) if count is not None else 0.0
+                length = float(row_elements(mine))
+        except Exception as error:
+            failure = error
+        verdict = self.agree(phase, failure, value=float(rows_of(mine)), value2=counted, value3=length,
+                             host=self._host)
+        self.global_rows = int(math.fsum(verdict.values()))
+        self.global_count = math.fsum(verdict.values("value2"))
+        return int(max(verdict.values())), int(max(verdict.values("value3")))
 
 
     def check_optimizer(self, optimizer) -> None:
@@ -259,6 +316,20 @@ class Lockstep(Deciding, Agreement):
         per = n // self.world
         return slice_batch(batch, self.rank * per, (self.rank + 1) * per)
 
+    def refuse_no_sync(self) -> None:
+        """Refuse a step inside the user's `ddp.no_sync()`, before any agreement: autofit reduces
+        the gradients itself and steps the optimizer once per global batch, so it cannot leave a
+        batch's gradients unreduced for a later step as DDP's accumulation does."""
+        ddp = self.user_ddp
+        if ddp is not None and not getattr(ddp, "require_backward_grad_sync", True):
+            raise ValueError(
+                "a step was called inside DistributedDataParallel.no_sync(): autofit steps the "
+                "optimizer once per global batch and reduces the gradients itself, so it does not "
+                "accumulate across calls. Convert the accumulation: drop no_sync() and the manual "
+                "accumulation loop, and pass the batches accumulated over as one batch "
+                "(torch.cat of them, or a DataLoader with batch_size times the accumulation steps); "
+                "autofit splits it into micro-batches itself with the same mathematics.")
+
     def check_dataset(self, length: int, batch_size: int) -> None:
         """Fail before training when some global batch of a map-style Dataset cannot be split."""
         if self.per_rank:
@@ -275,21 +346,15 @@ class Lockstep(Deciding, Agreement):
         data every rank reports its share's `count` (rows, or label tokens) and rows, so micro-batches
         are weighted by their share of the whole global batch (a rank whose share has no label token
         is not an error when the others have some) and the global batch's rows are known."""
+        self.refuse_no_sync()
         self.step += 1
         self.global_batch = batch
         mine = self.local(batch)
         if not self.per_rank:
             self.global_rows = rows_of(batch)
+            self.plan_shape = (rows_of(mine), row_elements(mine))
             return mine
-        failure, counted = None, 0.0
-        try:
-            with self._host():
-                counted = float(count(mine))
-        except Exception as error:
-            failure = error
-        verdict = self.agree(SHARES, failure, value=float(rows_of(mine)), value2=counted, host=self._host)
-        self.global_rows = int(math.fsum(verdict.values()))
-        self.global_count = math.fsum(verdict.values("value2"))
+        self.plan_shape = self._agree_shape(SHARES, mine, count)
         if self.global_count == 0:
             raise ValueError(f"global batch {self.step} has no label token to learn from on any rank "
                              f"(every label is -100); drop such batches or check the labels.")
@@ -336,14 +401,28 @@ class Lockstep(Deciding, Agreement):
         self.agree(self.attempt_phase, plan=self.attempt_plan, host=self._host, collective=collective)
         self.attempt_agreed = False
 
-    def agreed_step(self, step_fn, plan: Plan):
-        """`step_fn` followed by an agreement, for the atomic step: when any rank's step failed,
-        every rank raises an OOM inside it, so each restores its snapshot."""
+    def agreed_step(self, step_fn, plan: Plan, guarded: bool):
+        """`step_fn` followed by an agreement, for the atomic step. `guarded` (every rank took a
+        snapshot): when any rank's step failed, every rank raises an OOM inside it, so each
+        restores its snapshot. Unguarded, the ranks whose step succeeded have applied their update
+        and nothing undoes it: when another rank's step failed, every rank is told that the ranks'
+        weights now differ and which did what (see `diverged`)."""
         def step():
             failure = None
             try:
                 step_fn()
             except Exception as error:
                 failure = error
-            self.agree(STEP, failure=failure, plan=plan, host=self._host)
+            if guarded:
+                self.agree(STEP, failure=failure, plan=plan, host=self._host)
+                return
+            verdict = self.exchange(STEP, failure=failure, plan=plan, host=self._host)
+            if verdict.own == ERROR:  # a non-OOM error is this rank's own, raised as it was
+                try:
+                    raise failure
+                finally:
+                    failure = None
+            failure = None
+            if verdict.errors or verdict.ooms:
+                raise diverged(verdict, self.step)
         return step
