@@ -188,27 +188,39 @@ class Agreement:
 
     def _unreached(self, error: Exception) -> Exception:
         """The error for an agreement whose collective failed: RankFailed naming the ranks that
-        never reached it (stalled or died) and where they last were, else LockstepError."""
+        the evidence shows failed (autofit.distributed.presence) and what was observed, else
+        LockstepError."""
         presence = self._presence()
-        absent = presence.absent()
         here = where(self.step, self._phase)
-        timeout = internals.group_timeout(self.agreement_group)
-        within = f" within the process group's timeout ({timeout.total_seconds():g} s)" if timeout else ""
-        if not absent:
-            presence.stop(f"rank {self.rank}'s agreement {here} failed ({_describe(error)})")
-            return LockstepError(f"the agreement between ranks failed on rank {self.rank} {here}: "
-                                 f"{_describe(error)}; another rank has probably died or timed out.")
-        names = "; ".join(f"rank {r} ({last})" for r, last in absent)
-        reason = f"{names} did not reach the agreement {here}{within}: it stalled or died"
-        presence.stop(reason)
-        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}. (The collective: "
-                            f"{_describe(error)})", rank=absent[0][0], error=reason)
+        observed, timed_out = self._observed(error)
+        failed = presence.failed(timed_out)
+        if not failed:
+            presence.stop(None, f"the agreement {here} failed ({observed})")
+            return LockstepError(f"the agreement between ranks failed {here}: {observed}, and no "
+                                 f"rank is known to have failed (every other rank's heartbeat goes "
+                                 f"on); this is rank {self.rank}. ({_describe(error)})")
+        names = "; ".join(f"rank {r} {what}" for r, what in failed)
+        reason = f"{names} (the agreement {here} failed: {observed})"
+        presence.stop(failed[0][0], reason)
+        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}.",
+                            rank=failed[0][0], error=reason)
         failed.__cause__ = error
         return failed
 
-    def _stopped(self, rank: int, reason: str) -> RankFailed:
+    def _observed(self, error: Exception) -> tuple[str, bool]:
+        """What the failed collective showed, and whether it was the process group's timeout."""
+        text = str(error).lower()
+        if any(s in text for s in ("connection closed", "connection reset", "broken pipe", "closed by peer")):
+            return "a peer's connection closed", False
+        if "timed out" in text or "timeout" in text:
+            timeout = internals.group_timeout(self.agreement_group)
+            within = f" ({timeout.total_seconds():g} s)" if timeout else ""
+            return f"the process group's timeout{within} ran out", True
+        return _describe(error), False
+
+    def _stopped(self, rank: int, failed: int | None, reason: str) -> RankFailed:
         return RankFailed(f"rank {rank} stopped the run: {reason}; every rank stops, this is rank "
-                          f"{self.rank}.", rank=rank, error=reason)
+                          f"{self.rank}.", rank=rank if failed is None else failed, error=reason)
 
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
