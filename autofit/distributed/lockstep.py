@@ -27,7 +27,10 @@ collective outside an agreement. A global step on each rank is:
    the gradients scaled in place: an OOM there drops the attempt on every rank, nothing applied;
 5. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
    of memory on any rank, every rank restores its snapshot (taken on every rank when any rank's
-   step was at risk) and the global batch is replayed.
+   step was at risk) and the global batch is replayed. When no rank's step was at risk there is no
+   snapshot (success costs nothing), so a step that fails anyway on some ranks has been applied on
+   the others: every rank then raises PartialUpdateError saying that the weights now differ, which
+   ranks applied the update and which failed (with what).
 
 After an OOM on any rank, every rank raises an OOM (its own, or `PeerOutOfMemory` naming the rank)
 into the same controller, which records the same attempt and takes the same step down: the ladder is
@@ -37,19 +40,26 @@ re-raises its own error, the others raise `RankFailed` naming the rank and the e
 escapes outside a step (data loading, evaluation, a cache, the scheduler) is reported by a farewell:
 the failing rank joins the next agreement with its error, and every run ends with a final
 agreement, so the others meet it there. The lockstep opens before anything else in `run` (before
-the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at different steps meet in different phases and
-all raise `LockstepError`. A rank that stalls or dies outright is met by the process group's timeout
-(the agreement group keeps the user's): the others then name it and where it last was, and stop it
-if it still runs (autofit.distributed.presence).
+the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at
+different steps meet in different phases and all raise `LockstepError` saying how many batches each
+had. A rank that dies outright closes its connections (or, stalled, is met by the process group's
+timeout, which the agreement group keeps): the others then name it on evidence only (its heartbeat
+stopped, the store it served closed, or alive but behind after the timeout), with where it last
+was, and stop it if it still runs (autofit.distributed.presence). A step inside the user's
+`ddp.no_sync()` is refused: autofit reduces each global batch's gradients itself.
 
 Data comes in one of two ways, told apart at the first agreement (each rank reports whether its
 loader has a `DistributedSampler` and a hash of its first batch):
 - **per rank** (a `DistributedSampler`, or first batches that differ, as torchrun jobs usually give
-  it): each rank's batch is its share of the global batch, which is the ranks' batches together.
-  Before each global batch the ranks agree on their shares' rows and label tokens, and each
-  micro-batch is weighted by its share of the whole (so a rank whose share has no label token
-  trains nothing, without error, and history counts the global batch's rows). When autofit drives
-  the epochs it calls `sampler.set_epoch(epoch)` before each one, as a plain DDP loop must.
+  it): each rank's batch is its share of the global batch, which is the ranks' batches together;
+  shares may differ in rows (a loader per file shard ends with a shorter batch on each rank), not
+  in number. Before each global batch the ranks agree on their shares' rows, row lengths and label
+  tokens; the plan covers the largest share (one plan per global batch, the same on every rank),
+  and each micro-batch is weighted by its share of the whole (so a rank whose share has no label
+  token trains nothing, without error, and history counts the global batch's rows). Under FSDP2
+  every rank runs the plan's number of micro-batches: a smaller share repeats its first row,
+  weighted 0. When autofit drives the epochs it calls `sampler.set_epoch(epoch)` before each one,
+  as a plain DDP loop must.
 - **the same global batches on every rank** (equal first batches, or a map-style Dataset that
   autofit batches): each rank takes rows [r*n/W, (r+1)*n/W) and weights each micro-batch by its
   share of the *global* batch (rows, or label tokens counted on the global batch), so token
@@ -342,10 +352,11 @@ class Lockstep(Deciding, Agreement):
                                  f"{self.world} (e.g. trim the dataset).")
 
     def next_batch(self, batch, count=rows_of):
-        """The next global batch: remembered for weighting, this rank's rows returned. With per-rank
-        data every rank reports its share's `count` (rows, or label tokens) and rows, so micro-batches
-        are weighted by their share of the whole global batch (a rank whose share has no label token
-        is not an error when the others have some) and the global batch's rows are known."""
+        """The next global batch: remembered for weighting, this rank's rows returned, `plan_shape`
+        set. With per-rank data every rank reports its share's `count` (rows, or label tokens), rows
+        and row length, so micro-batches are weighted by their share of the whole global batch (a
+        rank whose share has no label token is not an error when the others have some), the
+        global batch's rows are known, and the plan covers the largest share on every rank."""
         self.refuse_no_sync()
         self.step += 1
         self.global_batch = batch

@@ -208,6 +208,7 @@ class Presence:
         done.set()
         thread.join()
         self._watch = None
+        self.store = None  # no client of the job's store outlives the run through autofit
         if self._signals:
             signal.signal(signal.SIGUSR1, self._previous if self._previous is not None else signal.SIG_DFL)
             self._signals = False
