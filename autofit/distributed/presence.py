@@ -119,6 +119,8 @@ class Presence:
         with what was observed; never this rank. `timed_out`: the collective waited out the
         process group's timeout (a rank alive but behind stalled), rather than seeing a peer's
         connection close (a rank alive but behind is healthy, on its way)."""
+        if self.store is None:
+            return []  # no store, no evidence: no rank is named
         others = [r for r in range(self.world) if r != self.rank]
         self._set(f"failed/{self.rank}", "1")
         known = self._stopped_by_other()
