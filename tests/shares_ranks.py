@@ -15,6 +15,7 @@ import autofit
 
 BATCH = 8
 SHARD_ROWS = (37, 35, 33)  # rank r's shard: 5 batches each, the last of 5, 3 and 1 rows
+SHORT_FIRST_ROWS = (33, 35, 37)  # 'short_first': rank 0's share the smallest (it decides the start)
 OOM_STEP = 4               # the global step whose first forward runs out of memory on the last rank
 
 
@@ -31,16 +32,20 @@ def halve(plan):
     return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
 
 
-def shard_rows(rank: int, extra: int = 0) -> int:
-    return SHARD_ROWS[rank] + extra
-
-
-def loader(rank: int, extra: int = 0):
+def loader(rank: int, extra: int = 0, rows=SHARD_ROWS):
     """Rank `rank`'s own shard in batches of BATCH (drop_last=False: the last one shorter)."""
     g = torch.Generator().manual_seed(100 + rank)
-    n = shard_rows(rank, extra)
+    n = rows[rank] + extra
     data = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g))
     return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+def batches(rank: int, scenario: str, extra: int = 0):
+    """Rank `rank`'s loader; for 'short_first' its batches in reverse, rank 0's share the smallest
+    (the ranks' first shares differ in rows: the start plan covers the largest, not rank 0's)."""
+    if scenario == "short_first":
+        return list(loader(rank, extra, SHORT_FIRST_ROWS))[::-1]
+    return loader(rank, extra)
 
 
 def _fail_twice_at(net, forward_call: int):
@@ -71,15 +76,16 @@ def _full_state(net) -> dict:
 
 
 def train_autofit(rank: int, world: int, scenario: str) -> dict:
-    """One scenario: 'stepper', 'oom' (the last rank runs out of memory once), 'sharded' (FSDP2 and
-    that OOM), 'run' (autofit.run), 'extra' (rank 0 has one batch more)."""
+    """One scenario: 'stepper', 'oom' (the last rank runs out of memory twice), 'sharded' (FSDP2 and
+    those OOMs), 'run' (autofit.run), 'short_first' (the short batches first), 'extra' (rank 0 has
+    one batch more)."""
     net = model()
     if scenario in ("oom", "sharded") and rank == world - 1:
         # the first forward of global step OOM_STEP (each earlier step ran one forward)
         _fail_twice_at(net, OOM_STEP)
     if scenario == "sharded":
         net = _sharded(net, world)
-    data = loader(rank, extra=BATCH if scenario == "extra" and rank == 0 else 0)
+    data = batches(rank, scenario, extra=BATCH if scenario == "extra" and rank == 0 else 0)
     kw = dict(loss_fn=loss_fn, precision="fp32", ladder=halve, cache=False, progress=False)
     if scenario == "run":
         result = autofit.run(net, data, optimizer=torch.optim.AdamW, **kw)
@@ -95,13 +101,13 @@ def train_autofit(rank: int, world: int, scenario: str) -> dict:
                          for a in attempts], "samples": samples, "state": _full_state(net)}
 
 
-def plain_loop(rank: int, micro_sizes: list[int]) -> dict:
+def plain_loop(rank: int, scenario: str, micro_sizes: list[int]) -> dict:
     """The plain distributed loop: each rank splits its own batch into micro-batches of the global
     step's final size, weights each by its rows over the global batch's rows (all ranks'), and
     the ranks' gradients are summed before one AdamW step."""
     net = model()
     opt = torch.optim.AdamW(net.parameters())
-    for batch, micro in zip(loader(rank), micro_sizes):
+    for batch, micro in zip(batches(rank, scenario), micro_sizes):
         rows = torch.tensor([batch[0].shape[0]], dtype=torch.float64)
         torch.distributed.all_reduce(rows)
         for lo in range(0, batch[0].shape[0], micro):
@@ -131,7 +137,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, scenarios: list[
             seen[scenario] = {"error": type(error).__name__, "message": str(error)}
             continue
         saved[scenario] = done.pop("state")
-        saved[scenario + "/plain"] = plain_loop(rank, final_micro_sizes(done["attempts"]))
+        saved[scenario + "/plain"] = plain_loop(rank, scenario, final_micro_sizes(done["attempts"]))
         seen[scenario] = done
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)

@@ -17,7 +17,7 @@ from shares_ranks import worker
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built"),
               pytest.mark.slow]
 
-SCENARIOS = ["stepper", "oom", "sharded", "run", "extra"]
+SCENARIOS = ["stepper", "oom", "sharded", "run", "short_first", "extra"]
 TIMEOUT = 300  # seconds for a whole spawn: fail rather than hang
 
 
@@ -36,8 +36,8 @@ def ranks(request, tmp_path_factory):
     return request.param, *_spawned(tmp_path_factory, request.param)
 
 
-def _global_rows(world: int) -> list[int]:
-    rows = shares_ranks.SHARD_ROWS[:world]
+def _global_rows(world: int, shards=shares_ranks.SHARD_ROWS) -> list[int]:
+    rows = shards[:world]
     return [sum(min(shares_ranks.BATCH, n - i) for n in rows) for i in range(0, max(rows), shares_ranks.BATCH)]
 
 
@@ -52,6 +52,20 @@ def test_unequal_shares_train_to_the_end_equal_to_the_plain_loop(ranks, scenario
         for k, v in params[r][scenario].items():
             assert torch.equal(v, params[r][scenario + "/plain"][k]), (r, k)
             assert torch.equal(v, params[0][scenario][k]), (r, k)
+
+
+def test_first_shares_that_differ_in_rows_start_every_rank_on_the_plan_of_the_largest(ranks):
+    world, seen, params = ranks
+    # the short batches first (1 and 3 rows with 2 ranks, 1, 3 and 5 with 3): the whole largest
+    # share, not rank 0's; then the 8-row batches whole (probed up)
+    largest = {2: 3, 3: 5}[world]
+    expected = [[0, largest, 1, "ok"]] + [[s, 8, 1, "ok"] for s in range(1, 5)]
+    assert [s["short_first"]["attempts"] for s in seen] == [expected] * world
+    assert [s["short_first"]["samples"] for s in seen] == \
+        [_global_rows(world, shares_ranks.SHORT_FIRST_ROWS)[::-1]] * world
+    for r in range(world):
+        for k, v in params[r]["short_first"].items():
+            assert torch.equal(v, params[r]["short_first/plain"][k]), (r, k)
 
 
 def test_a_one_rank_oom_steps_every_rank_down_at_the_same_global_batch(ranks):
