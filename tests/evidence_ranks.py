@@ -1,9 +1,10 @@
 """What each gloo rank runs in tests/test_rank_evidence.py: a rank SIGKILLed in forward (the others
-must name exactly it), a step inside DDP's no_sync, and an unguarded optimizer step that runs out of
+must name exactly it), steps inside DDP's no_sync, and an unguarded optimizer step that runs out of
 memory on one rank only. Import-safe: spawned ranks import only torch, autofit and this module."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,20 +79,45 @@ def kill_worker(rank: int, world: int, init: str, out_dir: str, victim: int) -> 
     os._exit(0)  # the group is broken: nothing to tear down
 
 
-def no_sync_worker(rank: int, world: int, init: str, out_dir: str) -> None:
-    """The user's DDP accumulation loop around autofit's step: refused on every rank."""
-    _init(rank, world, init)
-    ddp = torch.nn.parallel.DistributedDataParallel(model())
+def _rank_batches(rank: int, n: int = 4, rows: int = 6):
+    """This rank's own batches (per-rank data: each rank's batch is its share)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return [(torch.randn(rows, 6, generator=g), torch.randn(rows, 1, generator=g)) for _ in range(n)]
 
-    def train():
-        with autofit.stepper(ddp, torch.optim.AdamW, loss_fn=loss_fn, precision="fp32", cache=False,
-                             progress=False) as step:
-            first, second = batches(2)
-            with ddp.no_sync():
-                step(first)
-            step(second)
-    _write(out_dir, rank, _outcome(train))
-    del ddp, train  # DDP's reducer freed while its group lives (freed after it, it hung at times)
+
+def no_sync_worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    """The user's DDP accumulation loop (every other batch inside no_sync) around autofit's step,
+    with one OOM on rank 1 (every rank replays that batch from the gradients accumulated before it),
+    and the same loop without autofit: DDP's own no_sync, backward and optimizer.step."""
+    _init(rank, world, init)
+    net = model()
+    if rank == 1:  # an OOM in the forward of batch 1, on top of batch 0's accumulated gradients
+        forwards = [0]
+
+        def fail_once(module, args):
+            forwards[0] += 1
+            if forwards[0] == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
+        net.register_forward_pre_hook(fail_once)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    with autofit.stepper(ddp, torch.optim.AdamW, loss_fn=loss_fn, precision="fp32", cache=False,
+                         progress=False) as step:
+        for i, batch in enumerate(_rank_batches(rank)):
+            with ddp.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+                step(batch)
+    adam_steps = sorted({int(s["step"]) for s in step.optimizer.state.values()})
+    plain = torch.nn.parallel.DistributedDataParallel(model())
+    optimizer = torch.optim.AdamW(plain.parameters())
+    for i, batch in enumerate(_rank_batches(rank)):
+        with plain.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+            loss_fn(plain, batch).backward()
+        if i % 2:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    _write(out_dir, rank, {"adam_steps": adam_steps, "attempts": [[a.step, a.outcome] for a in step.attempts]})
+    torch.save({"autofit": ddp.module.state_dict(), "plain": plain.module.state_dict()},
+               os.path.join(out_dir, f"params{rank}.pt"))
+    del ddp, plain  # DDP's reducers freed while their group lives (freed after it, it hung at times)
     torch.distributed.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """A rank is named as failed only on evidence: SIGKILL any rank (rank 0, which serves the TCP store,
 included) in forward while another survivor is healthy but behind, and every survivor names exactly
-the killed rank, saying what it observed. DDP's no_sync around a step is refused naming the
-conversion; an unguarded optimizer step that runs out of memory on one rank tells every rank that
+the killed rank, saying what it observed. Steps inside DDP's no_sync accumulate as the user's DDP
+loop does; an unguarded optimizer step that runs out of memory on one rank tells every rank that
 the weights now differ and which ranks did what."""
 
 from __future__ import annotations
@@ -52,18 +52,15 @@ def test_every_survivor_names_exactly_the_killed_rank(tmp_path, world, victim):
         assert s["seconds"] < 30.0, (r, s)
 
 
-def test_a_step_inside_ddp_no_sync_is_refused_on_every_rank_naming_the_conversion(tmp_path):
+def test_steps_inside_ddp_no_sync_accumulate_as_the_users_ddp_loop_does(tmp_path):
     codes, seen = _spawn(evidence_ranks.no_sync_worker, 2, tmp_path)
     assert codes == [0, 0]
-    for s in seen:
-        assert s["error"] == "ValueError", s
-        assert s["message"] == (
-            "a step was called inside DistributedDataParallel.no_sync(): autofit steps the optimizer "
-            "once per global batch and reduces the gradients itself, so it does not accumulate across "
-            "calls. Convert the accumulation: drop no_sync() and the manual accumulation loop, and pass "
-            "the batches accumulated over as one batch (torch.cat of them, or a DataLoader with "
-            "batch_size times the accumulation steps); autofit splits it into micro-batches itself "
-            "with the same mathematics.")
+    for r, s in enumerate(seen):
+        # the OOM's replay retries the same plan (it fitted rows this long before): no split
+        assert s == {"adam_steps": [2], "attempts": [[0, "ok"], [1, "oom"], [1, "ok"], [2, "ok"], [3, "ok"]]}, s
+        params = torch.load(tmp_path / f"params{r}.pt", weights_only=True)
+        for k, v in params["autofit"].items():
+            assert torch.equal(v, params["plain"][k]), (r, k, (v - params["plain"][k]).abs().max())
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -46,7 +46,9 @@ had. A rank that dies outright closes its connections (or, stalled, is met by th
 timeout, which the agreement group keeps): the others then name it on evidence only (its heartbeat
 stopped, the store it served closed, or alive but behind after the timeout), with where it last
 was, and stop it if it still runs (autofit.distributed.presence). A step inside the user's
-`ddp.no_sync()` is refused: autofit reduces each global batch's gradients itself.
+`ddp.no_sync()` accumulates, as the user's DDP loop would: its gradients stay local (no reduction,
+no optimizer step, no scheduler step, no clipping) until the first step outside it, which reduces
+the accumulated gradients and steps once.
 
 Data comes in one of two ways, told apart at the first agreement (each rank reports whether its
 loader has a `DistributedSampler` and a hash of its first batch):
@@ -326,19 +328,24 @@ class Lockstep(Deciding, Agreement):
         per = n // self.world
         return slice_batch(batch, self.rank * per, (self.rank + 1) * per)
 
-    def refuse_no_sync(self) -> None:
-        """Refuse a step inside the user's `ddp.no_sync()`, before any agreement: autofit reduces
-        the gradients itself and steps the optimizer once per global batch, so it cannot leave a
-        batch's gradients unreduced for a later step as DDP's accumulation does."""
+    def accumulating(self) -> bool:
+        """Whether this step runs inside the user's `ddp.no_sync()` (DDP's
+        `require_backward_grad_sync` is False there): its gradients are accumulated, as the user's
+        DDP loop would, and reduced and stepped on at the first step outside it."""
         ddp = self.user_ddp
-        if ddp is not None and not getattr(ddp, "require_backward_grad_sync", True):
-            raise ValueError(
-                "a step was called inside DistributedDataParallel.no_sync(): autofit steps the "
-                "optimizer once per global batch and reduces the gradients itself, so it does not "
-                "accumulate across calls. Convert the accumulation: drop no_sync() and the manual "
-                "accumulation loop, and pass the batches accumulated over as one batch "
-                "(torch.cat of them, or a DataLoader with batch_size times the accumulation steps); "
-                "autofit splits it into micro-batches itself with the same mathematics.")
+        return ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
+
+    def accumulated(self, verdict) -> bool:
+        """After the agreement of a successful backward: True when every rank is inside no_sync
+        (the step ends there), False when none is; refused when the ranks differ, as DDP would
+        leave the reducing ranks waiting."""
+        inside = {bool(v) for v in verdict.values("value3")}
+        if len(inside) > 1:
+            ranks = [r for r, v in enumerate(verdict.values("value3")) if v]
+            raise LockstepError(f"at global step {self.step}, ranks {', '.join(map(str, ranks))} stepped "
+                                f"inside ddp.no_sync() and the others outside it; enter no_sync() on "
+                                f"every rank alike.")
+        return inside == {True}
 
     def check_dataset(self, length: int, batch_size: int) -> None:
         """Fail before training when some global batch of a map-style Dataset cannot be split."""
@@ -357,7 +364,6 @@ class Lockstep(Deciding, Agreement):
         and row length, so micro-batches are weighted by their share of the whole global batch (a
         rank whose share has no label token is not an error when the others have some), the
         global batch's rows are known, and the plan covers the largest share on every rank."""
-        self.refuse_no_sync()
         self.step += 1
         self.global_batch = batch
         mine = self.local(batch)

@@ -116,8 +116,12 @@ class DistributedStepRunner(StepRunner):
                 raise failure
             finally:
                 failure = None
+        accumulate = lock.accumulating()  # inside the user's ddp.no_sync(): no reduction, no step
         verdict = lock.agree(BACKWARD, failure, value=value, flag=at_risk, plan=plan, mask=mask,
-                             host=self.device.host)
+                             value3=float(accumulate), host=self.device.host)
+        if lock.accumulated(verdict):
+            self.grad_norm = None
+            return math.fsum(verdict.values())
         lock.replicas.reduce_grads(verdict)  # FSDP reduced its shards' gradients in backward
         lock.replicas.broadcast_buffers()    # before the step: nothing after its agreement communicates
         guard = verdict.any_flag()  # some rank's step may fail: every rank takes a snapshot
