@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from autofit.distributed.agreement import BACKWARD, FIELDS, OK, OOM, Verdict
+from autofit.distributed.agreement import BACKWARD, DONE, FIELDS, OK, OOM, SHARES, Verdict
 from autofit.distributed.fsdp_guard import GATHER, REDUCE, collective_id, describe_collective
 from autofit.errors import LockstepError, PeerOutOfMemory
 
 
-def _row(code=OK, collective=0, step=3):
-    header = {"code": code, "phase": BACKWARD, "step": step, "plan": 7, "value": 0.5, "value2": 0,
-              "flag": 0, "model": 11, "collective": collective}
+def _row(code=OK, collective=0, step=3, phase=BACKWARD):
+    header = {"code": code, "phase": phase, "step": step, "plan": 7, "value": 0.5, "value2": 0,
+              "flag": 0, "model": 11, "collective": collective, "value3": 0}
     return [float(header[f]) for f in FIELDS]
 
 
@@ -54,3 +54,17 @@ def test_the_same_collective_or_a_failed_rank_is_no_mismatch():
     assert verdict.mismatch is None and not verdict.terminal
     with pytest.raises(PeerOutOfMemory):
         verdict.raise_for_peers()
+
+
+def test_ranks_that_ran_out_of_batches_at_different_steps_are_told_the_counts():
+    # Per-rank data: rank 1 ended after 5 global batches, ranks 0 and 2 count their shares of a sixth.
+    rows = [_row(phase=SHARES, step=5), _row(phase=DONE, step=4), _row(phase=SHARES, step=5)]
+    for rank in range(3):
+        verdict = Verdict(rank, SHARES if rank != 1 else DONE, rows, None, len(FIELDS))
+        with pytest.raises(LockstepError) as raised:
+            verdict.raise_for_peers()
+        assert str(raised.value) == (
+            "the ranks were given different numbers of batches: rank 1 ended after 5 global batches; "
+            "rank 0 has global batch 5; rank 2 has global batch 5. Every rank must give the same "
+            "number of batches (its shares may differ in rows): shard the data so that each rank's "
+            "loader yields as many batches (a DistributedSampler does), or drop the extra batches.")

@@ -52,6 +52,27 @@ def test_plain_parameters_are_not_sharded():
 
 
 @pytest.mark.slow
+def test_a_sharded_budget_below_the_model_states_advises_only_what_applies(tmp_path):
+    """shard=True with a budget below parameters + gradients + AdamW state (a group of one): no
+    sharded plan offloads the optimizer, so the refusal does not advise it and says why."""
+    import torch.distributed as dist
+    import autofit
+    from reference import bert, cls_batches
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        with pytest.raises(autofit.DoesNotFit) as refused:
+            autofit.run(bert(), cls_batches(2, rows=4), shard=True, budget="300KiB", precision="fp32",
+                        cache=False, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert str(refused.value).startswith(
+        "no plan can fit global batch 4 on simulated GPU (300.00 KiB), checked before training: "
+        "parameters, gradients and AdamW state alone need 407.00 KiB of a 300.00 KiB budget: use a "
+        "smaller model or an optimizer with less state (autofit's optimizer offload does not apply to "
+        "FSDP2's sharded parameters; with more ranks each holds a smaller shard)."), str(refused.value)
+
+
+@pytest.mark.slow
 def test_a_sharded_model_is_evaluated_as_one_process_evaluates_its_weights(tmp_path):
     """Evaluation of a sharded model was refused before any training; it now runs in lockstep
     (here a group of one, every agreement with itself; two ranks: tests/test_fsdp_eval.py) and

@@ -22,7 +22,7 @@ PHASES = ("at the start of the run", "agreeing on the budget", "choosing the sta
           "in forward/backward", "in optimizer.step", "at the end of the run", "outside a training step",
           "in evaluation", "counting the global batch", "clipping the gradients",
           "trying the optimizer on shards")
-FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective")
+FIELDS = ("code", "phase", "step", "plan", "value", "value2", "flag", "model", "collective", "value3")
 MESSAGE_BYTES = 1024
 _SEPARATE: dict = {}  # the agreements' own gloo group, per default process group (see _cpu_group)
 
@@ -68,11 +68,27 @@ class Verdict:
                     f"and dtypes: {shown}); give every rank the same model.")
         if len({(h["phase"], h["step"], h["plan"]) for _, h in alive}) <= 1:
             return self._collectives_differ()
+        ended = [r for r, h in alive if int(h["phase"]) == DONE]
+        if ended and len(ended) < len(alive):
+            return self._batches_differ(alive, ended)
         where = "; ".join(f"rank {r} at global step {int(h['step'])}, {PHASES[int(h['phase'])]}"
                           f"{', plan hash %d' % int(h['plan']) if h['plan'] else ''}" for r, h in alive)
         return (f"the ranks are out of step: {where}. Give every rank the same global batches (the "
                 f"same number of them, each divisible by the world size) and the same model, "
                 f"optimizer and ladder.")
+
+    @staticmethod
+    def _batches_differ(alive: list, ended: list) -> str:
+        """Some ranks ended their data while others have another global batch: the one error of
+        per-rank data (shares may differ in rows, not in number)."""
+        going = [(r, int(h["step"])) for r, h in alive if r not in ended]
+        trained = {r: int(h["step"]) + 1 for r, h in alive if r in ended}
+        shown = "; ".join(f"rank {r} ended after {n} global batches" for r, n in trained.items())
+        more = "; ".join(f"rank {r} has global batch {s}" for r, s in going)
+        return (f"the ranks were given different numbers of batches: {shown}; {more}. Every rank must "
+                f"give the same number of batches (its shares may differ in rows): shard the data so "
+                f"that each rank's loader yields as many batches (a DistributedSampler does), or drop "
+                f"the extra batches.")
 
     def _collectives_differ(self) -> str | None:
         """When every rank goes on, they must be about to run the same FSDP collective (or none):
@@ -172,32 +188,44 @@ class Agreement:
 
     def _unreached(self, error: Exception) -> Exception:
         """The error for an agreement whose collective failed: RankFailed naming the ranks that
-        never reached it (stalled or died) and where they last were, else LockstepError."""
+        the evidence shows failed (autofit.distributed.presence) and what was observed, else
+        LockstepError."""
         presence = self._presence()
-        absent = presence.absent()
         here = where(self.step, self._phase)
-        timeout = internals.group_timeout(self.agreement_group)
-        within = f" within the process group's timeout ({timeout.total_seconds():g} s)" if timeout else ""
-        if not absent:
-            presence.stop(f"rank {self.rank}'s agreement {here} failed ({_describe(error)})")
-            return LockstepError(f"the agreement between ranks failed on rank {self.rank} {here}: "
-                                 f"{_describe(error)}; another rank has probably died or timed out.")
-        names = "; ".join(f"rank {r} ({last})" for r, last in absent)
-        reason = f"{names} did not reach the agreement {here}{within}: it stalled or died"
-        presence.stop(reason)
-        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}. (The collective: "
-                            f"{_describe(error)})", rank=absent[0][0], error=reason)
+        observed, timed_out = self._observed(error)
+        failed = presence.failed(timed_out)
+        if not failed:
+            presence.stop(None, f"the agreement {here} failed ({observed})")
+            return LockstepError(f"the agreement between ranks failed {here}: {observed}, and no "
+                                 f"rank is known to have failed (every other rank's heartbeat goes "
+                                 f"on); this is rank {self.rank}. ({_describe(error)})")
+        names = "; ".join(f"rank {r} {what}" for r, what in failed)
+        reason = f"{names} (the agreement {here} failed: {observed})"
+        presence.stop(failed[0][0], reason)
+        failed = RankFailed(f"{reason}; every rank stops, this is rank {self.rank}.",
+                            rank=failed[0][0], error=reason)
         failed.__cause__ = error
         return failed
 
-    def _stopped(self, rank: int, reason: str) -> RankFailed:
+    def _observed(self, error: Exception) -> tuple[str, bool]:
+        """What the failed collective showed, and whether it was the process group's timeout."""
+        text = str(error).lower()
+        if any(s in text for s in ("connection closed", "connection reset", "broken pipe", "closed by peer")):
+            return "a peer's connection closed", False
+        if "timed out" in text or "timeout" in text:
+            timeout = internals.group_timeout(self.agreement_group)
+            within = f" ({timeout.total_seconds():g} s)" if timeout else ""
+            return f"the process group's timeout{within} ran out", True
+        return _describe(error), False
+
+    def _stopped(self, rank: int, failed: int | None, reason: str) -> RankFailed:
         return RankFailed(f"rank {rank} stopped the run: {reason}; every rank stops, this is rank "
-                          f"{self.rank}.", rank=rank, error=reason)
+                          f"{self.rank}.", rank=rank if failed is None else failed, error=reason)
 
     def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
                  value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
                  mask: list[float] | None = None, host=contextlib.nullcontext,
-                 collective: int = 0) -> Verdict:
+                 collective: int = 0, value3: float = 0.0) -> Verdict:
         """One agreement. Call it outside any `except` block (an error raised here must not look
         like it was raised while handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
@@ -211,7 +239,7 @@ class Agreement:
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
             header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag), self.model_hash, collective], dtype=torch.float64)
+                                       float(flag), self.model_hash, collective, value3], dtype=torch.float64)
             if mask is not None and self.met:
                 header[n:] = torch.tensor(mask, dtype=torch.float64)
             rows = [t.tolist() for t in self._all_gather(header)]

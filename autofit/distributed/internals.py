@@ -80,6 +80,20 @@ def default_store():
         return None
 
 
+def store_host() -> int | None:
+    """The rank whose process serves the default store: rank 0 for the TCPStore that
+    init_process_group made (tcp:// or env://), unless torchrun's agent serves it; None for a
+    FileStore or an agent's store (it outlives any rank)."""
+    import os
+    store = default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, torch.distributed.TCPStore) and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return 0
+    return None
+
+
 def default_group_key() -> int:
     """Tells this default process group from a later one (id of torch's default group)."""
     return id(torch.distributed.distributed_c10d._world.default_pg)

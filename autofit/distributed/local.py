@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from autofit.engine.batches import rows_of
+from autofit.engine.batches import row_elements, rows_of
 
 
 class Local:
@@ -16,6 +16,7 @@ class Local:
     def __init__(self, model):
         self.module = model
         self.global_rows = 0  # rows of the last global batch
+        self.plan_shape = (0, 0)  # its (rows, elements per row), which its plan covers
 
     def scope(self):
         return contextlib.nullcontext(self)
@@ -50,8 +51,12 @@ class Local:
     def local(self, batch):
         return batch
 
+    def first_shape(self, first) -> tuple[int, int]:
+        return rows_of(first), row_elements(first)
+
     def next_batch(self, batch, count=None):
         self.global_rows = rows_of(batch)
+        self.plan_shape = (self.global_rows, row_elements(batch))
         return batch
 
     def check_dataset(self, length: int, batch_size: int) -> None:

@@ -27,7 +27,10 @@ collective outside an agreement. A global step on each rank is:
    the gradients scaled in place: an OOM there drops the attempt on every rank, nothing applied;
 5. the optimizer step, followed by a second agreement inside the atomic step: if the step ran out
    of memory on any rank, every rank restores its snapshot (taken on every rank when any rank's
-   step was at risk) and the global batch is replayed.
+   step was at risk) and the global batch is replayed. When no rank's step was at risk there is no
+   snapshot (success costs nothing), so a step that fails anyway on some ranks has been applied on
+   the others: every rank then raises PartialUpdateError saying that the weights now differ, which
+   ranks applied the update and which failed (with what).
 
 After an OOM on any rank, every rank raises an OOM (its own, or `PeerOutOfMemory` naming the rank)
 into the same controller, which records the same attempt and takes the same step down: the ladder is
@@ -37,19 +40,28 @@ re-raises its own error, the others raise `RankFailed` naming the rank and the e
 escapes outside a step (data loading, evaluation, a cache, the scheduler) is reported by a farewell:
 the failing rank joins the next agreement with its error, and every run ends with a final
 agreement, so the others meet it there. The lockstep opens before anything else in `run` (before
-the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at different steps meet in different phases and
-all raise `LockstepError`. A rank that stalls or dies outright is met by the process group's timeout
-(the agreement group keeps the user's): the others then name it and where it last was, and stop it
-if it still runs (autofit.distributed.presence).
+the first batch is read), so an error anywhere in `run` is announced. Ranks that run out of data at
+different steps meet in different phases and all raise `LockstepError` saying how many batches each
+had. A rank that dies outright closes its connections (or, stalled, is met by the process group's
+timeout, which the agreement group keeps): the others then name it on evidence only (its heartbeat
+stopped, the store it served closed, or alive but behind after the timeout), with where it last
+was, and stop it if it still runs (autofit.distributed.presence). A step inside the user's
+`ddp.no_sync()` accumulates, as the user's DDP loop would: its gradients stay local (no reduction,
+no optimizer step, no scheduler step, no clipping) until the first step outside it, which reduces
+the accumulated gradients and steps once.
 
 Data comes in one of two ways, told apart at the first agreement (each rank reports whether its
 loader has a `DistributedSampler` and a hash of its first batch):
 - **per rank** (a `DistributedSampler`, or first batches that differ, as torchrun jobs usually give
-  it): each rank's batch is its share of the global batch, which is the ranks' batches together.
-  Before each global batch the ranks agree on their shares' rows and label tokens, and each
-  micro-batch is weighted by its share of the whole (so a rank whose share has no label token
-  trains nothing, without error, and history counts the global batch's rows). When autofit drives
-  the epochs it calls `sampler.set_epoch(epoch)` before each one, as a plain DDP loop must.
+  it): each rank's batch is its share of the global batch, which is the ranks' batches together;
+  shares may differ in rows (a loader per file shard ends with a shorter batch on each rank), not
+  in number. Before each global batch the ranks agree on their shares' rows, row lengths and label
+  tokens; the plan covers the largest share (one plan per global batch, the same on every rank),
+  and each micro-batch is weighted by its share of the whole (so a rank whose share has no label
+  token trains nothing, without error, and history counts the global batch's rows). Under FSDP2
+  every rank runs the plan's number of micro-batches: a smaller share repeats its first row,
+  weighted 0. When autofit drives the epochs it calls `sampler.set_epoch(epoch)` before each one,
+  as a plain DDP loop must.
 - **the same global batches on every rank** (equal first batches, or a map-style Dataset that
   autofit batches): each rank takes rows [r*n/W, (r+1)*n/W) and weights each micro-batch by its
   share of the *global* batch (rows, or label tokens counted on the global batch), so token
@@ -97,7 +109,8 @@ import zlib
 
 import torch
 
-from autofit.distributed.agreement import BACKWARD, DONE, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP, Agreement, where
+from autofit.distributed.agreement import BACKWARD, DONE, ERROR, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP
+from autofit.distributed.agreement import Agreement, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
@@ -106,8 +119,8 @@ from autofit.distributed.fsdp import Sharded, is_sharded
 from autofit.distributed.presence import Presence
 from autofit.distributed.replicas import Replicas
 from autofit.engine.batches import slice_batch
-from autofit.engine.batches import rows_of
-from autofit.errors import LockstepError, PeerOutOfMemory, RankFailed
+from autofit.engine.batches import row_elements, rows_of
+from autofit.errors import LockstepError, PartialUpdateError, PeerOutOfMemory, RankFailed
 from autofit.plans.plan import Plan
 
 # Layers that run collectives inside forward: a rank that failed before reaching one would leave the
@@ -151,6 +164,32 @@ def refuse_collective_layers(module) -> None:
                 f"wrapper.")
 
 
+def diverged(verdict, step: int) -> Exception:
+    """The error a rank raises when an unguarded optimizer step failed on some ranks and was
+    applied on the others: the ranks' weights now differ, so the run stops on every rank, each
+    told which ranks applied the update and which failed (with what). PartialUpdateError, or
+    RankFailed when a rank failed with another error than OOM (which that rank raises itself)."""
+    failed = {r: verdict.messages[r] if verdict.messages else "an error" for r in verdict.errors + verdict.ooms}
+    applied = [r for r in range(len(verdict.headers)) if r not in failed]
+    shown = "; ".join(f"rank {r} failed in it ({text}), its update not applied or applied in part"
+                      for r, text in sorted(failed.items()))
+    text = (f"the ranks' weights now differ after global step {step}'s optimizer step: "
+            f"{_ranks(applied)} applied the update; {shown}. The step was not guarded (no rank's "
+            f"step was at risk: its last run under this plan fitted with room to spare), so no rank "
+            f"can undo its part and the run stops on every rank; this is rank {verdict.rank}. Do not "
+            f"save one rank's weights as the run's: resume every rank from the last checkpoint.")
+    if verdict.errors:
+        error = RankFailed(text, rank=verdict.errors[0], error=failed[verdict.errors[0]])
+    else:
+        error = PartialUpdateError(text)
+    error.applied, error.failed = applied, failed
+    return error
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 class Lockstep(Deciding, Agreement):
     """The agreement between the ranks of one run; see the module's docstring."""
 
@@ -175,6 +214,9 @@ class Lockstep(Deciding, Agreement):
         self.global_batch = None
         self.global_rows = 0       # rows of the last global batch, over all ranks
         self.global_count = None   # its rows or label tokens over all ranks (per-rank data)
+        # (rows, elements per row) the plan of the last global batch covers on every rank: the
+        # largest share's with per-rank data (shares may differ in rows), else this rank's rows.
+        self.plan_shape = (0, 0)
         self.per_rank = False    # each rank's batch is its share of the global batch
         self.sharded = None      # autofit.distributed.fsdp.Sharded for a fully_shard model, from hello
         self.attempt_plan = None      # the plan of the attempt under way (its agreements carry it)
@@ -214,8 +256,35 @@ class Lockstep(Deciding, Agreement):
         verdict = self.agree(HELLO, value=digest, value2=float(kind), host=self._host)
         self.met = True  # every rank has this model: headers may carry per-parameter entries
         self.per_rank = per_rank({int(k) for k in verdict.values("value2")}, verdict.values(), self.world)
+        if self.per_rank:  # the first global batch's shape, which the start plan covers
+            self.plan_shape = self._agree_shape(SHARES, first)
         self.replicas.broadcast_from_rank0()
         return self.module
+
+    def first_shape(self, first) -> tuple[int, int]:
+        """(rows, elements per row) the start plan covers: see `plan_shape`."""
+        if self.per_rank:
+            return self.plan_shape
+        mine = self.local(first)
+        return rows_of(mine), row_elements(mine)
+
+    def _agree_shape(self, phase: int, mine, count=None) -> tuple[int, int]:
+        """With per-rank data: the largest share's rows and row length over all ranks (a plan per
+        global batch, the same on every rank, covering every rank's share), after an agreement
+        that also sums the shares' rows and `count`s (label tokens) into `global_rows` and
+        `global_count`."""
+        failure, counted, length = None, 0.0, 0.0
+        try:
+            with self._host():
+                counted = float(count(mine)) if count is not None else 0.0
+                length = float(row_elements(mine))
+        except Exception as error:
+            failure = error
+        verdict = self.agree(phase, failure, value=float(rows_of(mine)), value2=counted, value3=length,
+                             host=self._host)
+        self.global_rows = int(math.fsum(verdict.values()))
+        self.global_count = math.fsum(verdict.values("value2"))
+        return int(max(verdict.values())), int(max(verdict.values("value3")))
 
 
     def check_optimizer(self, optimizer) -> None:
@@ -259,6 +328,25 @@ class Lockstep(Deciding, Agreement):
         per = n // self.world
         return slice_batch(batch, self.rank * per, (self.rank + 1) * per)
 
+    def accumulating(self) -> bool:
+        """Whether this step runs inside the user's `ddp.no_sync()` (DDP's
+        `require_backward_grad_sync` is False there): its gradients are accumulated, as the user's
+        DDP loop would, and reduced and stepped on at the first step outside it."""
+        ddp = self.user_ddp
+        return ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
+
+    def accumulated(self, verdict) -> bool:
+        """After the agreement of a successful backward: True when every rank is inside no_sync
+        (the step ends there), False when none is; refused when the ranks differ, as DDP would
+        leave the reducing ranks waiting."""
+        inside = {bool(v) for v in verdict.values("value3")}
+        if len(inside) > 1:
+            ranks = [r for r, v in enumerate(verdict.values("value3")) if v]
+            raise LockstepError(f"at global step {self.step}, ranks {', '.join(map(str, ranks))} stepped "
+                                f"inside ddp.no_sync() and the others outside it; enter no_sync() on "
+                                f"every rank alike.")
+        return inside == {True}
+
     def check_dataset(self, length: int, batch_size: int) -> None:
         """Fail before training when some global batch of a map-style Dataset cannot be split."""
         if self.per_rank:
@@ -271,25 +359,19 @@ class Lockstep(Deciding, Agreement):
                                  f"{self.world} (e.g. trim the dataset).")
 
     def next_batch(self, batch, count=rows_of):
-        """The next global batch: remembered for weighting, this rank's rows returned. With per-rank
-        data every rank reports its share's `count` (rows, or label tokens) and rows, so micro-batches
-        are weighted by their share of the whole global batch (a rank whose share has no label token
-        is not an error when the others have some) and the global batch's rows are known."""
+        """The next global batch: remembered for weighting, this rank's rows returned, `plan_shape`
+        set. With per-rank data every rank reports its share's `count` (rows, or label tokens), rows
+        and row length, so micro-batches are weighted by their share of the whole global batch (a
+        rank whose share has no label token is not an error when the others have some), the
+        global batch's rows are known, and the plan covers the largest share on every rank."""
         self.step += 1
         self.global_batch = batch
         mine = self.local(batch)
         if not self.per_rank:
             self.global_rows = rows_of(batch)
+            self.plan_shape = (rows_of(mine), row_elements(mine))
             return mine
-        failure, counted = None, 0.0
-        try:
-            with self._host():
-                counted = float(count(mine))
-        except Exception as error:
-            failure = error
-        verdict = self.agree(SHARES, failure, value=float(rows_of(mine)), value2=counted, host=self._host)
-        self.global_rows = int(math.fsum(verdict.values()))
-        self.global_count = math.fsum(verdict.values("value2"))
+        self.plan_shape = self._agree_shape(SHARES, mine, count)
         if self.global_count == 0:
             raise ValueError(f"global batch {self.step} has no label token to learn from on any rank "
                              f"(every label is -100); drop such batches or check the labels.")
@@ -336,14 +418,28 @@ class Lockstep(Deciding, Agreement):
         self.agree(self.attempt_phase, plan=self.attempt_plan, host=self._host, collective=collective)
         self.attempt_agreed = False
 
-    def agreed_step(self, step_fn, plan: Plan):
-        """`step_fn` followed by an agreement, for the atomic step: when any rank's step failed,
-        every rank raises an OOM inside it, so each restores its snapshot."""
+    def agreed_step(self, step_fn, plan: Plan, guarded: bool):
+        """`step_fn` followed by an agreement, for the atomic step. `guarded` (every rank took a
+        snapshot): when any rank's step failed, every rank raises an OOM inside it, so each
+        restores its snapshot. Unguarded, the ranks whose step succeeded have applied their update
+        and nothing undoes it: when another rank's step failed, every rank is told that the ranks'
+        weights now differ and which did what (see `diverged`)."""
         def step():
             failure = None
             try:
                 step_fn()
             except Exception as error:
                 failure = error
-            self.agree(STEP, failure=failure, plan=plan, host=self._host)
+            if guarded:
+                self.agree(STEP, failure=failure, plan=plan, host=self._host)
+                return
+            verdict = self.exchange(STEP, failure=failure, plan=plan, host=self._host)
+            if verdict.own == ERROR:  # a non-OOM error is this rank's own, raised as it was
+                try:
+                    raise failure
+                finally:
+                    failure = None
+            failure = None
+            if verdict.errors or verdict.ooms:
+                raise diverged(verdict, self.step)
         return step

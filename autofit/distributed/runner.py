@@ -8,7 +8,7 @@ import math
 
 from autofit.distributed.agreement import BACKWARD
 from autofit.distributed.clipping import agreed_prestep
-from autofit.engine.batches import rows_of
+from autofit.engine.batches import rows_of, slice_batch, split
 from autofit.engine.batches import weights
 from autofit.engine.step import StepRunner
 from autofit.engine.token_loss import ITEMS
@@ -27,6 +27,7 @@ class DistributedStepRunner(StepRunner):
         # A share with no label token adds nothing (its loss is 0/0); FSDP communicates inside
         # every micro-batch's forward and backward, so there none may be skipped.
         self.skip_empty = lockstep.sharded is None
+        self.padding = 0  # micro-batches of the attempt under way that only pair FSDP's collectives
 
     @property
     def sharded(self):
@@ -57,7 +58,23 @@ class DistributedStepRunner(StepRunner):
         tokens = self.count_tokens(batch) if self.count_tokens is not None else None
         return float(rows_of(batch) if tokens is None else tokens)
 
+    def _parts(self, batch, plan) -> list:
+        """This rank's micro-batches. FSDP communicates inside every micro-batch's forward and
+        backward, so each rank runs the plan's number of them: a share with fewer rows than the
+        largest (per-rank data) runs its first row again for each micro-batch it lacks, weighted 0,
+        so its gradient adds exactly nothing."""
+        parts = split(batch, plan.micro_batch_size)
+        self.padding = 0
+        if self.lockstep.sharded is not None and len(parts) < plan.accumulation_steps:
+            self.padding = plan.accumulation_steps - len(parts)
+            parts += [slice_batch(batch, 0, 1)] * self.padding
+        return parts
+
     def _shares(self, batch, parts):
+        real = parts[:len(parts) - self.padding]
+        return self._real_shares(batch, real) + [0.0] * self.padding
+
+    def _real_shares(self, batch, parts):
         lock = self.lockstep
         if self.weighting is not None:  # the loss_fn divides by the global count itself
             return [1.0] * len(parts)
@@ -85,6 +102,8 @@ class DistributedStepRunner(StepRunner):
             if sharded is not None:
                 sharded.arm(True)  # each of FSDP's collectives waits for an agreement first
             value = self._accumulate(batch, plan).item()
+            if self.padding and self.kept:
+                del self.kept[-self.padding:]  # what the padding's repeated row kept is not the batch's
             mask = lock.replicas.fill_missing_grads()
             at_risk = self.offloaded is None and self.atomic.at_risk(config_of(plan))
         except Exception as error:
@@ -97,9 +116,15 @@ class DistributedStepRunner(StepRunner):
                 raise failure
             finally:
                 failure = None
+        accumulate = lock.accumulating()  # inside the user's ddp.no_sync(): no reduction, no step
         verdict = lock.agree(BACKWARD, failure, value=value, flag=at_risk, plan=plan, mask=mask,
-                             host=self.device.host)
+                             value3=float(accumulate), host=self.device.host)
+        if lock.accumulated(verdict):
+            self.grad_norm = None
+            return math.fsum(verdict.values())
         lock.replicas.reduce_grads(verdict)  # FSDP reduced its shards' gradients in backward
         lock.replicas.broadcast_buffers()    # before the step: nothing after its agreement communicates
-        self._step(plan, guard=verdict.any_flag(), wrap=lambda step: lock.agreed_step(step, plan))
+        guard = verdict.any_flag()  # some rank's step may fail: every rank takes a snapshot
+        guarded = guard or self.offloaded is not None  # an offloaded step always is (engine/step.py)
+        self._step(plan, guard=guard, wrap=lambda step: lock.agreed_step(step, plan, guarded))
         return math.fsum(verdict.values())

@@ -94,11 +94,12 @@ class Controller:
         self.start.failed()
 
     # -- public --------------------------------------------------------------------------------
-    def train(self, batch, step: int) -> float:
-        """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits."""
-        global_batch = rows_of(batch)
+    def train(self, batch, step: int, shape: tuple | None = None) -> float:
+        """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits. `shape`:
+        the (rows, elements per row) the plan covers when not the batch's own (under
+        torch.distributed the same on every rank, whatever this rank's share)."""
+        global_batch, self.sizes.length = (rows_of(batch), row_elements(batch)) if shape is None else shape
         self.plan = self.plan.with_micro_batch(self.plan.micro_batch_size, global_batch)
-        self.sizes.length = row_elements(batch)
         self._size_for_length(global_batch)
         self._fallback = None
         # No probe on a run's first step: the optimizer state does not exist yet, so a size that

@@ -169,6 +169,10 @@ class StepRunner:
         self._step(plan)
         return total.item()
 
+    def _parts(self, batch, plan) -> list:
+        """The micro-batches of `batch` under `plan`."""
+        return split(batch, plan.micro_batch_size)
+
     def _shares(self, batch, parts) -> list[float]:
         if self.weighting is not None:
             return self.weighting.shares(batch, parts)
@@ -186,7 +190,7 @@ class StepRunner:
             self._scaler_state = self.scaler.state_dict()
         self.device.reset_peak_memory_stats()
         self.peak = 0
-        parts = split(batch, plan.micro_batch_size)
+        parts = self._parts(batch, plan)
         self.kept = []  # this attempt's kept outputs, one per micro-batch run (engine/kept.py)
         shares = self._shares(batch, parts)
         items = self._items(batch)

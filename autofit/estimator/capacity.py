@@ -77,6 +77,17 @@ class _Dropped(Exception):
     """A plan whose estimate raised an error that the plain plan (fp32, no move) did not."""
 
 
+# Why a sharded model's plans never offload the optimizer: `needs_message` then leaves offload out
+# of its advice, and says this instead.
+SHARDED_NO_OFFLOAD = ("autofit's optimizer offload does not apply to FSDP2's sharded parameters; with "
+                      "more ranks each holds a smaller shard")
+
+
+def no_offload(estimator) -> str | None:
+    """Why the plans `estimator` prices cannot offload the optimizer (for `needs_message`), or None."""
+    return SHARDED_NO_OFFLOAD if isinstance(estimator, ShardedEstimator) else None
+
+
 def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
                    sharding=None) -> Estimator:
     """The estimator `rank` prices plans with: one rank's (`ShardedEstimator`) for a model sharded

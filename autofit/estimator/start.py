@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, usable_bytes
+from autofit.estimator.capacity import choose, make_estimator, needs_message, no_offload, rank, usable_bytes
 from autofit.estimator.guide import Guide
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
@@ -137,9 +137,11 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     chosen = choose(candidates)
     if chosen is None:
         leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None
+        needs = needs_message(candidates, budget, calibration=calibration, no_offload=no_offload(estimator),
+                              **room)
         raise DoesNotFit(
             f"no plan can fit global batch {rows_of(batch)} on {device.describe()}, checked before "
-            f"training: {needs_message(candidates, budget, calibration=calibration, **room)}",
+            f"training: {needs}",
             breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
             plan=leanest.plan if leanest else None)
     # Sizes predicted over the budget even uncalibrated bound the upward search (for rows as long

@@ -117,10 +117,6 @@ class Training:
                 raise
         return self
 
-    def rows(self, batch) -> int:
-        """Rows of `batch` one plan covers: this rank's share under torch.distributed."""
-        return rows_of(self.lockstep.local(batch))
-
     def start(self, first, *, data=None, tuned=None, resume=None, batch_size=None) -> None:
         """Choose the start plan from the first global batch and build the controller.
         `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
@@ -135,7 +131,8 @@ class Training:
         if batch_size is not None:
             lockstep.check_dataset(len(data), batch_size)
         lockstep.agree_budgets(device, tensor_budget)
-        first_rows = self.rows(first)  # a plan is per rank: its rows of a global batch
+        # A plan is per rank: the rows of a global batch it covers, the same on every rank.
+        first_rows = lockstep.first_shape(first)[0]
         self.memo = memo = Memo(
             model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
             device=lockstep.cache_view(device),
@@ -220,7 +217,7 @@ class Training:
         batch = self.layout.rows_first(batch)
         count = self.runner.count if self.distributed else None  # weighs each rank's share
         local = lockstep.next_batch(batch, count)
-        loss = self.controller.train(local, self.step)
+        loss = self.controller.train(local, self.step, shape=lockstep.plan_shape)
         self.kept = self._kept(local)
         self.watch.after_step(self.step, self.controller.plan, batch)
         self.step += 1
