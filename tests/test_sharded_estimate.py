@@ -159,7 +159,7 @@ def test_a_torch_whose_fsdp2_lacks_what_autofit_calls_is_refused(tiny_bert, bert
     from torch.distributed.fsdp import FSDPModule
     monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
     with pytest.raises(RuntimeError, match=rf"this torch {torch.__version__.replace('+', '.')} lacks "
-                                           rf"unit\.reset_iter_state: install torch 2\.13"):
+                                           rf"unit\.reset_iter_state(, [\w.]+)*: install torch 2\.13"):
         estimate_sharded(tiny_bert, 2, Plan(4), bert_batch, device_type="cpu")
     assert not torch.distributed.is_initialized()
 
