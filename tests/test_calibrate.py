@@ -13,7 +13,8 @@ from autofit.cache.store import PlanCache
 from autofit.estimator.capacity import choose, rank
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.guide import Guide
-from autofit.estimator.start import WORKSPACE_RESERVE, headroom
+from autofit.estimator.start import headroom
+from autofit.gpu.workspaces import Workspaces
 from autofit.gpu.device import Device, SimulatedDevice
 from autofit.gpu.simulate import SimulatedGPU
 from autofit.plans.plan import Plan
@@ -108,14 +109,24 @@ def test_the_capacity_decision_compares_the_peak_the_budget_caps(caps, reserve, 
 
 
 def test_headroom_says_which_peak_each_device_caps():
-    assert headroom(SimulatedDevice(SimulatedGPU("1GiB"))) == {"caps": "allocated", "reserve": 0}
-    assert headroom(SimulatedDevice(SimulatedGPU("1GiB", caps="reserved"))) == {"caps": "reserved",
-                                                                                "reserve": 0}
+    assert headroom(SimulatedDevice(SimulatedGPU("1GiB"))) == {"caps": "allocated", "reserve": 0,
+                                                               "workspaces": None}
+    assert headroom(SimulatedDevice(SimulatedGPU("1GiB", caps="reserved"))) == {
+        "caps": "reserved", "reserve": 0, "workspaces": None}
+    hopper = Workspaces(cublas=32 * MiB, cublaslt=MiB, cudnn=32 * MiB)
+    card = SimulatedGPU("1GiB", caps="reserved", workspaces=hopper)
+    assert headroom(SimulatedDevice(card)) == {"caps": "reserved", "reserve": 32 * MiB, "workspaces": hopper}
+    assert headroom(SimulatedDevice(card), torch.nn.Linear(2, 2)) == {"caps": "reserved", "reserve": 0,
+                                                                     "workspaces": hopper}
 
     class Card(Device):
         type = "cuda"
-    assert headroom(Card()) == {"caps": "reserved", "reserve": WORKSPACE_RESERVE}
-    assert WORKSPACE_RESERVE == 64 * MiB
+
+        def capability(self):
+            return (8, 0)
+    ampere = Workspaces(cublas=8 * MiB + 128 * 1024, cublaslt=MiB, cudnn=8 * MiB + 128 * 1024)
+    assert headroom(Card(), torch.nn.Conv2d(1, 1, 1)) == {"caps": "reserved", "reserve": ampere.cudnn,
+                                                          "workspaces": ampere}
 
 
 # -- point 4: the guided probe -------------------------------------------------------------------
