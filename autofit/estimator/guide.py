@@ -112,12 +112,14 @@ class Guide:
         for c in candidates:
             self.estimates[c.plan] = c.estimate
 
-    def predicted(self, plan: Plan, micro_batch: int | None = None, after: Plan | None = None) -> int | None:
+    def predicted(self, plan: Plan, micro_batch: int | None = None, after: Plan | None = None,
+                  steps_aside: bool = True) -> int | None:
         """The uncalibrated peak (of `caps`) of `plan` at `micro_batch` rows, or None when there is
         no estimator (any more). Where the budget caps reserved bytes, the step of `after` (default:
         `plan` itself, as a run starting with it) is replayed through the allocator model first, and
         the model is capped at the bytes a calibrated peak may take: a capped allocator releases its
-        cached segments at the cap, so a step may fit under it whose unbounded peak would not."""
+        cached segments at the cap, so a step may fit under it whose unbounded peak would not.
+        `steps_aside`: whether an estimate that fails ends the guide (else only this answer is None)."""
         if self.estimator is None:
             return None
         m = plan.micro_batch_size if micro_batch is None else micro_batch
@@ -128,18 +130,23 @@ class Guide:
             limit = int(self.uncalibrated(self.usable))
             key = (plan, after, limit)
         else:  # the allocated peak is the step's own, whatever the cache held
-            key = plan
+            key, limit = plan, None
         if key not in self.estimates:
             try:
-                with rng_untouched(self.estimator.model):  # nor the RNG the run draws from
-                    self.estimates[key] = (self.estimator.measure(plan, after=after, limit=limit)
-                                           if self.caps == "reserved" else self.estimator.measure(plan))
+                self._measure(key, plan, after, limit)
             except Exception as error:  # the guide is optional: the search bisects without it
+                if not steps_aside:
+                    return None
                 log.warning("micro-batch search: cannot estimate %s (%s); searching without "
                             "estimates", plan.describe(), one_line(error))
                 self.estimator = None
                 return None
         return self.estimates[key].peak(self.caps)
+
+    def _measure(self, key, plan: Plan, after: Plan | None, limit: int | None) -> None:
+        with rng_untouched(self.estimator.model):  # nor the RNG the run draws from
+            self.estimates[key] = (self.estimator.measure(plan, after=after, limit=limit)
+                                   if self.caps == "reserved" else self.estimator.measure(plan))
 
     def calibrated(self, peak: int) -> float:
         """`peak` (an estimate holding `constant`) with the factor applied to all but the constant."""
@@ -148,6 +155,18 @@ class Guide:
     def uncalibrated(self, usable: float) -> float:
         """The largest estimated peak whose calibrated peak is within `usable`."""
         return (usable - self.constant) / self.calibration + self.constant
+
+    def saves(self, moved: Plan, unmoved: Plan) -> tuple[bool, int, int] | None:
+        """Whether `moved` (a precision or checkpointing move) is predicted to peak lower than
+        `unmoved` (the same micro-batch without the move): (saves, its peak, the unmoved peak), or
+        None when the guide cannot say."""
+        if moved.micro_batch_size > (self.rows or 0):
+            return None
+        # A move the estimator cannot follow (a kernel without bf16) is for the run to find out.
+        peak, without = self.predicted(moved, steps_aside=False), self.predicted(unmoved, steps_aside=False)
+        if peak is None or without is None:
+            return None
+        return peak < without, peak, without
 
     def observe(self, plan: Plan, peak: int, length, first: bool = False) -> None:
         """A good attempt of `plan` on rows `length` long whose allocated peak was `peak` (on a
