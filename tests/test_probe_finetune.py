@@ -478,3 +478,33 @@ def test_verify_trains_the_fine_tune_the_probe_priced(capsys, monkeypatch):
     assert calls == [({"classifier.weight", "classifier.bias"}, {torch.bfloat16}, torch.int64, torch.optim.SGD,
                       {"lr": 1e-3, "momentum": 0.9})]
     assert out.splitlines()[-1].startswith("verified plan: micro 8 x 1, bf16 weights, measured peak ")
+
+
+# -- relative positions ------------------------------------------------------------------------------
+
+def _deberta(tmp_path, name, biased):
+    return _saved(tmp_path / name, transformers.DebertaV2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=128,
+        max_position_embeddings=512, position_biased_input=biased, relative_attention=True,
+        position_buckets=256, pos_att_type=["p2c", "c2p"], architectures=["DebertaV2ForSequenceClassification"]))
+
+
+def test_a_model_of_relative_positions_takes_rows_longer_than_max_position_embeddings(tmp_path):
+    """DeBERTa-v2/v3 without absolute positions (position_biased_input=False) trains on 1024
+    tokens; with them, its position table bounds the rows at 512."""
+    model, batch = models.load(_deberta(tmp_path, "relative", False), batch_size=2, seq_len=1024)
+    assert type(model) is transformers.DebertaV2ForSequenceClassification
+    assert list(batch["input_ids"].shape) == [2, 1024]
+    assert not models.has_position_table(model)
+    with pytest.raises(models.ModelSpecError) as info:
+        models.load(_deberta(tmp_path, "absolute", True), batch_size=2, seq_len=1024)
+    assert str(info.value) == ("seq_len 1024 is longer than DebertaV2ForSequenceClassification takes (512 "
+                               "positions); pass --seq-len 512 or less.")
+
+
+def test_the_probe_prices_deberta_at_1024_tokens(capsys, tmp_path):
+    code = main(["probe", "--gpu-mem", "2GiB", "--model", _deberta(tmp_path, "relative", False),
+                 "--batch-size", "2", "--seq-len", "1024", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0 and got["fits"] is True
+    assert got["batch"]["shapes"] == {"input_ids": [2, 1024], "labels": [2]}

@@ -186,10 +186,6 @@ def _max_positions(config) -> int | None:
 
 
 def _build(cls, config, task, batch_size, seq_len, device):
-    limit = _max_positions(config)
-    if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids":
-        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
-                             f"({limit} positions); pass --seq-len {limit} or less.")
     if task == "seq2seq":
         _check_decoder_length(cls, config, seq_len)
     try:
@@ -197,7 +193,25 @@ def _build(cls, config, task, batch_size, seq_len, device):
             model = cls(config)
     except Exception as e:
         raise ModelSpecError(f"cannot build {cls.__name__} from its config: {_one_line(e)}") from e
+    limit = _max_positions(config)
+    if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids" \
+            and has_position_table(model):
+        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
+                             f"({limit} positions); pass --seq-len {limit} or less.")
     return model, samples.sample_batch(model, config, task, batch_size, seq_len)
+
+
+# Names Hugging Face gives a table of absolute positions (BERT, GPT-2, BART/OPT/Whisper, ViT-likes):
+# a model without one (relative positions: DeBERTa-v2 with position_biased_input=False, T5's
+# buckets; rotary or ALiBi positions) takes rows longer than max_position_embeddings.
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions", "position_embedding")
+
+
+def has_position_table(model) -> bool:
+    """Whether `model` looks its rows' positions up in a table of absolute positions (an Embedding
+    named as Hugging Face names them), which bounds the rows it takes."""
+    return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES
+               for name, module in model.named_modules())
 
 
 def _check_decoder_length(cls, config, seq_len) -> None:
