@@ -45,9 +45,12 @@ def cmd_probe(args) -> int:
     if args.verify and not torch.cuda.is_available():
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
                          "drop --verify to get the prediction alone.")
+    if args.verify and args.weights in finetune.QUANTIZED:
+        raise UsageError(f"--verify trains real steps, and --weights {args.weights} is priced without "
+                         f"bitsandbytes' kernels; drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
     optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
-    from autofit.commands import models, samples
+    from autofit.commands import models, quantized, samples
     from autofit.estimator.estimate import own_reserved
     from autofit.gpu.workspaces import Workspaces
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -63,7 +66,7 @@ def cmd_probe(args) -> int:
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
     header = {"model": spec, "model_class": type(model).__name__,
-              "parameters": sum(p.numel() for p in model.parameters()),
+              "parameters": quantized.parameter_count(model),
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
               "optimizer": args.optimizer, "weights": args.weights,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
