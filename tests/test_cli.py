@@ -140,7 +140,7 @@ PLAN_FIELDS = ["micro_batch_size", "accumulation_steps", "precision", "checkpoin
 ROW_FIELDS = PLAN_FIELDS + ["compute_dtype", "peak_bytes", "reserved_bytes", "fits", "cost", "chosen"]
 KINDS = ["params", "grads", "optimizer", "activations", "other"]
 JSON_FIELDS = ["model", "model_class", "parameters", "trainable", "trained_parameters", "optimizer", "weights",
-               "batch_size", "seq_len", "batch", "precision", "gpu_mem_bytes",
+               "batch_size", "seq_len", "batch", "missing_kernels", "precision", "gpu_mem_bytes",
                "context_reserve_bytes", "context_reserve_source", "budget_bytes", "workspace_bytes", "workspace_reserve_bytes",
                "usable_bytes", "fits", "plan", "compute_dtype", "predicted_peak_bytes", "predicted_reserved_bytes",
                "table", "breakdown", "host_optimizer_bytes", "reason", "verdict"]

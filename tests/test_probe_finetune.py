@@ -508,3 +508,23 @@ def test_the_probe_prices_deberta_at_1024_tokens(capsys, tmp_path):
     got = json.loads(capsys.readouterr().out)
     assert code == 0 and got["fits"] is True
     assert got["batch"]["shapes"] == {"input_ids": [2, 1024], "labels": [2]}
+
+
+# -- kernels transformers falls back from -------------------------------------------------------------
+
+def test_a_price_on_transformers_torch_fallback_says_so(capsys, tmp_path):
+    """Mamba-2 takes mamba_ssm's and causal_conv1d's kernels where installed; here neither is, so its
+    step is priced on the torch fallback, and the probe says so (a BERT needs no such kernel)."""
+    config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=1, num_heads=4, head_dim=32,
+                                       state_size=16, n_groups=1, vocab_size=128, chunk_size=16,
+                                       architectures=["Mamba2ForCausalLM"])
+    spec = _saved(tmp_path / "mamba2", config)
+    assert main(["probe", "--gpu-mem", "1GiB", "--model", spec, "--batch-size", "2", "--seq-len", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3] == ("slow path        priced on transformers' torch fallback: causal_conv1d, mamba_ssm not "
+                        "installed (with its kernels a step holds less)")
+    assert main(["probe", "--gpu-mem", "1GiB", "--model", spec, "--batch-size", "2", "--seq-len", "32",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_kernels"] == ["causal_conv1d", "mamba_ssm"]
+    assert main(["probe", "--gpu-mem", "1GiB", "--model", "tiny-bert", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_kernels"] == []

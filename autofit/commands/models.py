@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
 import pathlib
+import re
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -231,6 +234,26 @@ def quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(before)
+
+
+# Where transformers' modeling code takes an outside package's kernel when it is installed and its
+# own torch code otherwise: `use_kernel_func_from_hub_with_fallback("<function>", "<package>")`.
+_FALLBACK = re.compile(r"use_kernel_func_from_hub_with_fallback\(\s*[\"'][^\"']+[\"']\s*,\s*[\"']([\w.]+)[\"']")
+
+
+def missing_kernels(model) -> list[str]:
+    """The kernel packages `model`'s code would take (mamba_ssm, causal_conv1d, ...) that are not
+    installed here: its step is then priced on the torch fallback, which holds more than the
+    kernels (Mamba-2's chunked scan keeps its chunks' states)."""
+    wanted = set()
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):  # no source to read (a compiled or dynamic module)
+            continue
+        wanted.update(_FALLBACK.findall(source))
+    return sorted(p for p in wanted if importlib.util.find_spec(p.split(".")[0]) is None)
 
 
 # -- module:function ----------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def cmd_probe(args) -> int:
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
               "optimizer": args.optimizer, "weights": args.weights,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
+              "missing_kernels": models.missing_kernels(model),
               "precision": args.precision,
               "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
@@ -215,6 +216,7 @@ def _probe_report(args, result: dict, shown) -> int:
                       f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
                       f"parameters)"),
         ("global batch", result["batch"]["text"]),
+        *_fallback(result),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
                             f"({result['context_reserve_source']})"),
@@ -255,6 +257,15 @@ def _probe_report(args, result: dict, shown) -> int:
     if not result["fits"]:
         print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
     return code
+
+
+def _fallback(result) -> list[tuple[str, str]]:
+    """The line saying the price is of transformers' torch fallback, where kernels are missing."""
+    missing = result["missing_kernels"]
+    if not missing:
+        return []
+    return [("slow path", f"priced on transformers' torch fallback: {', '.join(missing)} not installed "
+                          f"(with its kernels a step holds less)")]
 
 
 def _kept(result) -> str:
