@@ -162,3 +162,29 @@ def test_the_calibration_learns_no_constant_as_a_factor():
     tight.attach(Linear(), [], 8)
     # 65 + (10 + m) x 1.05 <= 100 -> m <= 23.33: 23 (a factor on the whole estimate would say 20).
     assert tight.largest(Plan.for_batch(32, 1), 1, 33, length=8) == 23
+
+
+class TensorsOnly:
+    """A stand-in estimator that holds no workspaces (as FSDP2's sharded one): 10 MiB + 1 MiB a row."""
+
+    rows, resident = 16, {"params": 1, "grads": 1, "optimizer": 1}
+    model = torch.nn.Linear(2, 2)
+
+    def measure(self, plan):
+        m = plan.micro_batch_size
+        return MemoryEstimate(plan, (10 + m) * MiB, {}, reserved_bytes=(10 + m) * MiB)
+
+
+def test_what_an_estimator_does_not_hold_is_kept_back_from_the_budget():
+    from autofit.estimator.capacity import choose, rank, unplaced
+    holder = type("Holder", (), {"workspaces": HOPPER})()
+    assert unplaced(TensorsOnly(), HOPPER, "reserved") == 66 * MiB  # two 32 MiB segments, cuBLASLt's 2 MiB
+    assert unplaced(TensorsOnly(), HOPPER, "allocated") == 65 * MiB
+    assert unplaced(holder, HOPPER, "reserved") == 0 and unplaced(TensorsOnly(), None, "reserved") == 0
+    # 96 MiB less the 66 MiB the estimates lack: 30 MiB, where 10 + 16 rows fit (the whole batch).
+    chosen = choose(rank(None, torch.zeros(16, 2), 96 * MiB, precision="fp32", caps="reserved",
+                         allow_offload=False, estimator=TensorsOnly(), workspaces=HOPPER))
+    assert chosen.plan.micro_batch_size == 16
+    chosen = choose(rank(None, torch.zeros(16, 2), 84 * MiB, precision="fp32", caps="reserved",
+                         allow_offload=False, estimator=TensorsOnly(), workspaces=HOPPER))
+    assert chosen.plan.micro_batch_size == 8  # 18 MiB left: 10 + 8 (micro_batch_sizes(16): 16, 8, 6, ...)

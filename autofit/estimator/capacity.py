@@ -89,6 +89,15 @@ def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: s
     return Estimator(model, batch, optimizer, loss_fn, device_type=device_type, workspaces=workspaces)
 
 
+def unplaced(estimator, workspaces, caps: str) -> int:
+    """The device's own bytes `estimator`'s estimates do not hold (a sharded estimate's: FSDP2's
+    estimator prices tensors only), kept back from the budget instead."""
+    if workspaces is None or getattr(estimator, "workspaces", None) is workspaces:
+        return 0
+    from autofit.estimator.estimate import own_reserved
+    return own_reserved(workspaces) if caps == "reserved" else workspaces.resident
+
+
 def usable_bytes(budget: int, *, margin: float = 1.0, reserve: int = 0) -> float:
     """The bytes a plan's peak (times its calibration) may take of `budget`."""
     return (budget - reserve) * margin
@@ -132,7 +141,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                             allow_offload=allow_offload,
                             checkpointing=Checkpointing(estimator.model).available, reshard=reshard,
                             tokens_per_row=tokens)
-    usable = usable_bytes(budget, margin=margin, reserve=reserve)
+    usable = usable_bytes(budget, margin=margin, reserve=reserve + unplaced(estimator, workspaces, caps))
     limit = usable / calibration
     measured: dict[Plan, Candidate] = {}
 

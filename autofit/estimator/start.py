@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, usable_bytes
+from autofit.estimator.capacity import choose, make_estimator, needs_message, rank, unplaced, usable_bytes
 from autofit.estimator.estimate import own_reserved
 from autofit.estimator.guide import Guide
 from autofit.gpu.workspaces import Workspaces
@@ -136,7 +136,10 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
         with rng_untouched(model):  # fake-tensor work must not move the RNG the first step draws from
             estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
                                        workspaces=room["workspaces"])
-            kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
+            # (rank keeps back itself what a sharded estimate does not hold: see capacity.unplaced)
+            unheld = unplaced(estimator, room["workspaces"], room["caps"])
+            whole_room = dict(room, reserve=room["reserve"] + unheld)
+            kept = _first_whole_fitting(whole, estimator, budget, whole_room, calibration)
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))
                 return kept
