@@ -1,7 +1,7 @@
 """Held-out-style models on a simulated card: how close a cold run gets to the largest micro-batch that
 fits, with how many OOMs, and whether a warm run makes any.
 
-    python benchmarks/held_out.py [--steps 3]
+    python benchmarks/held_out.py [--steps 3] [--models ViT "BatchNorm CNN" ...]
 
 Per model (built here from configs, random weights; a ViT, a recurrent LM, a GPT-2, a BatchNorm CNN,
 a T5), on a simulated GPU capping reserved bytes (`caps="reserved"`) at half the whole batch's
@@ -134,11 +134,13 @@ def run(build, data, budget: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--models", nargs="*", choices=list(CASES), default=list(CASES))
     args = parser.parse_args(argv)
     setup()
     print_environment("held_out.py: cold and warm runs against a sweep of micro-batch sizes")
     rows = []
-    for name, build in CASES.items():
+    for name in args.models:
+        build = CASES[name]
         os.environ["AUTOFIT_CACHE_DIR"] = tempfile.mkdtemp()
         model, batch, loss = build()
         data = [batch() for _ in range(args.steps)]
