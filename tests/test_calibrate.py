@@ -240,7 +240,7 @@ def test_calibration_is_stored_per_model_and_device_and_never_erased():
                     precision="fp32", device=device or SimulatedDevice(SimulatedGPU(budget)))
 
     memo(model, 10 * MiB).remember(Plan.for_batch(ROWS, 8), SizeLog(), [], 0, calibration=1.25,
-                                   calibrated="reserved")
+                                   calibrated="reserved", steady=True)
     # Another job of the same model on the same device: another budget and global batch.
     again = memo(model, 20 * MiB, rows=8)
     assert again.calibration("reserved") == 1.25
@@ -251,7 +251,7 @@ def test_calibration_is_stored_per_model_and_device_and_never_erased():
     card.name = "NVIDIA H200"  # another device
     assert memo(model, 10 * MiB, device=card).calibration("reserved") is None
     # A run that measured nothing (started from the cache) keeps the factor it read.
-    again.remember(Plan.for_batch(8, 8), SizeLog(), [], 0, calibration=None, calibrated="reserved")
+    again.remember(Plan.for_batch(8, 8), SizeLog(), [], 0, calibration=None, calibrated="reserved", steady=True)
     assert sorted(r["entry"]["calibration"] for r in PlanCache().entries()) == [1.25, 1.25]
 
 
