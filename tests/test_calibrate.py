@@ -212,7 +212,8 @@ def test_the_cached_calibration_is_applied_by_the_next_estimate_of_the_same_mode
     earlier = Memo(model=model, batch=batches(1)[0], optimizer=torch.optim.AdamW(model.parameters()),
                    global_batch=ROWS, precision="fp32",
                    device=SimulatedDevice(SimulatedGPU(2 * budget)))
-    earlier.remember(Plan.for_batch(ROWS, 16), SizeLog(), [], 0, calibration=1.5, calibrated="allocated")
+    earlier.remember(Plan.for_batch(ROWS, 16), SizeLog(), [], 0, calibration=1.5, calibrated="allocated",
+                     steady=True)
     with caplog.at_level(logging.INFO, logger="autofit"):
         result = autofit.run(model, batches(4), budget=budget, precision="fp32", progress=False)
     # x1.5: 8 rows would take more than the budget, the start is 6 and no probe is predicted to
