@@ -114,6 +114,26 @@ def two_steps(build, batch, plan, cuda: bool):
     return allocated, reserved, replayed
 
 
+def card_workspaces(cuda: bool):
+    """The card's cuBLAS/cuBLASLt workspaces the estimate adds (autofit.gpu.workspaces); none for the
+    simulated stand-in, which holds none."""
+    from autofit.gpu.workspaces import Workspaces
+    return Workspaces.of_capability(torch.cuda.get_device_capability()) if cuda else None
+
+
+def measured_workspaces() -> tuple[int, int]:
+    """Bytes allocated beyond the tensors after a first matrix product's forward, then its backward
+    (the forward thread's and autograd's device thread's workspaces); run before any other kernel."""
+    x = torch.ones(64, 64, device="cuda", requires_grad=True)
+    tensors = torch.cuda.memory_allocated()
+    y = x @ x
+    forward = torch.cuda.memory_allocated() - tensors - y.untyped_storage().nbytes()
+    y.sum().backward()
+    del y
+    backward = torch.cuda.memory_allocated() - tensors - x.grad.untyped_storage().nbytes()
+    return forward, backward
+
+
 def ratio(a, b) -> str:
     return "-" if a is None or not b else f"{a / b:.3f}"
 
@@ -128,7 +148,7 @@ def failed(error: BaseException) -> str:
 
 
 def memory_row(build, batch, plan, cuda: bool) -> list:
-    predicted = autofit.estimate(build(), batch, plan).peak_bytes
+    predicted = autofit.estimate(build(), batch, plan, workspaces=card_workspaces(cuda)).peak_bytes
     allocated, reserved, replayed = two_steps(build, batch, plan, cuda)
     return [mib(predicted), mib(allocated), ratio(predicted, allocated),
             mib(reserved), mib(replayed), ratio(replayed, reserved)]
@@ -195,6 +215,12 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     started = time.perf_counter()
     print_environment("autofit GPU check")
+    if cuda:
+        forward, backward = measured_workspaces()
+        expected = card_workspaces(True)
+        print(f"workspaces measured: {forward / MiB:.3f} MiB after a first forward, {backward / MiB:.3f} MiB "
+              f"after its backward (autofit.gpu.workspaces expects {(expected.cublas + expected.cublaslt) / MiB:.3f} "
+              f"and {expected.resident / MiB:.3f})\n")
     if not cuda:
         print("No CUDA device: small configs, the simulated GPU (caps='reserved') stands in for the "
               "card.\nSkipped: real max_memory_allocated/max_memory_reserved, the replay of a real "

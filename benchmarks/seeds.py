@@ -38,10 +38,11 @@ from autofit.sizes import format_size, parse_size  # noqa: E402
 from autofit.engine.step import StepRunner  # noqa: E402
 
 CONTEXT = parse_size("0.4GiB")  # the CUDA context: outside any tensor budget
-# On a card the check compares the reserved peak with the budget less the workspace reserve
-# (autofit.estimator.start.headroom on CUDA).
-from autofit.estimator.start import WORKSPACE_RESERVE  # noqa: E402
-ON_CARD = {"caps": "reserved", "reserve": WORKSPACE_RESERVE}
+# On a card the check compares the reserved peak, the card's cuBLAS workspaces included, with the
+# budget (autofit.estimator.start.headroom on CUDA; a Hopper-class card's workspaces).
+from autofit.gpu.workspaces import Workspaces  # noqa: E402
+WORKSPACES = Workspaces.of_capability()
+ON_CARD = {"caps": "reserved", "reserve": 0, "workspaces": WORKSPACES}
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
@@ -119,7 +120,7 @@ def scibert_full():
     ]
     print(table(HEADERS, rows_))
     print(f"  budget: 14.75 GiB - {gib(CONTEXT)} CUDA context = {gib(budget)}; autofit plans the reserved "
-          f"peak within {gib(budget - WORKSPACE_RESERVE)} of it ({gib(WORKSPACE_RESERVE)} for workspaces).")
+          f"peak, {gib(WORKSPACES.resident)} of cuBLAS workspaces included, within it.")
     print(f"  autofit chose {chosen.plan.describe()}: {needs_message(candidates, budget, **ON_CARD)}")
     print(f"  why the report failed in validation, not training: without torch.no_grad() the loop "
           f"keeps two forward graphs (the previous output is alive while the next forward runs) and "

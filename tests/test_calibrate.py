@@ -13,7 +13,8 @@ from autofit.cache.store import PlanCache
 from autofit.estimator.capacity import choose, rank
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.guide import Guide
-from autofit.estimator.start import WORKSPACE_RESERVE, headroom
+from autofit.estimator.start import headroom
+from autofit.gpu.workspaces import Workspaces
 from autofit.gpu.device import Device, SimulatedDevice
 from autofit.gpu.simulate import SimulatedGPU
 from autofit.plans.plan import Plan
@@ -108,14 +109,24 @@ def test_the_capacity_decision_compares_the_peak_the_budget_caps(caps, reserve, 
 
 
 def test_headroom_says_which_peak_each_device_caps():
-    assert headroom(SimulatedDevice(SimulatedGPU("1GiB"))) == {"caps": "allocated", "reserve": 0}
-    assert headroom(SimulatedDevice(SimulatedGPU("1GiB", caps="reserved"))) == {"caps": "reserved",
-                                                                                "reserve": 0}
+    assert headroom(SimulatedDevice(SimulatedGPU("1GiB"))) == {"caps": "allocated", "reserve": 0,
+                                                               "workspaces": None}
+    assert headroom(SimulatedDevice(SimulatedGPU("1GiB", caps="reserved"))) == {
+        "caps": "reserved", "reserve": 0, "workspaces": None}
+    hopper = Workspaces(cublas=32 * MiB, cublaslt=MiB, cudnn=32 * MiB)
+    card = SimulatedGPU("1GiB", caps="reserved", workspaces=hopper)
+    assert headroom(SimulatedDevice(card)) == {"caps": "reserved", "reserve": 32 * MiB, "workspaces": hopper}
+    assert headroom(SimulatedDevice(card), torch.nn.Linear(2, 2)) == {"caps": "reserved", "reserve": 0,
+                                                                     "workspaces": hopper}
 
     class Card(Device):
         type = "cuda"
-    assert headroom(Card()) == {"caps": "reserved", "reserve": WORKSPACE_RESERVE}
-    assert WORKSPACE_RESERVE == 64 * MiB
+
+        def capability(self):
+            return (8, 0)
+    ampere = Workspaces(cublas=8 * MiB + 128 * 1024, cublaslt=MiB, cudnn=8 * MiB + 128 * 1024)
+    assert headroom(Card(), torch.nn.Conv2d(1, 1, 1)) == {"caps": "reserved", "reserve": ampere.cudnn,
+                                                          "workspaces": ampere}
 
 
 # -- point 4: the guided probe -------------------------------------------------------------------
@@ -201,7 +212,8 @@ def test_the_cached_calibration_is_applied_by_the_next_estimate_of_the_same_mode
     earlier = Memo(model=model, batch=batches(1)[0], optimizer=torch.optim.AdamW(model.parameters()),
                    global_batch=ROWS, precision="fp32",
                    device=SimulatedDevice(SimulatedGPU(2 * budget)))
-    earlier.remember(Plan.for_batch(ROWS, 16), SizeLog(), [], 0, calibration=1.5, calibrated="allocated")
+    earlier.remember(Plan.for_batch(ROWS, 16), SizeLog(), [], 0, calibration=1.5, calibrated="allocated",
+                     steady=True)
     with caplog.at_level(logging.INFO, logger="autofit"):
         result = autofit.run(model, batches(4), budget=budget, precision="fp32", progress=False)
     # x1.5: 8 rows would take more than the budget, the start is 6 and no probe is predicted to
@@ -229,7 +241,7 @@ def test_calibration_is_stored_per_model_and_device_and_never_erased():
                     precision="fp32", device=device or SimulatedDevice(SimulatedGPU(budget)))
 
     memo(model, 10 * MiB).remember(Plan.for_batch(ROWS, 8), SizeLog(), [], 0, calibration=1.25,
-                                   calibrated="reserved")
+                                   calibrated="reserved", steady=True)
     # Another job of the same model on the same device: another budget and global batch.
     again = memo(model, 20 * MiB, rows=8)
     assert again.calibration("reserved") == 1.25
@@ -240,7 +252,7 @@ def test_calibration_is_stored_per_model_and_device_and_never_erased():
     card.name = "NVIDIA H200"  # another device
     assert memo(model, 10 * MiB, device=card).calibration("reserved") is None
     # A run that measured nothing (started from the cache) keeps the factor it read.
-    again.remember(Plan.for_batch(8, 8), SizeLog(), [], 0, calibration=None, calibrated="reserved")
+    again.remember(Plan.for_batch(8, 8), SizeLog(), [], 0, calibration=None, calibrated="reserved", steady=True)
     assert sorted(r["entry"]["calibration"] for r in PlanCache().entries()) == [1.25, 1.25]
 
 

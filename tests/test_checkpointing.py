@@ -385,3 +385,21 @@ def test_a_transformers_whose_checkpointing_hooks_cannot_be_read_switches_all_th
     assert states == [True, False]
     assert [r.getMessage().split(":")[1] for r in caplog.records] == [
         " activation checkpointing of a transformers model skipped in part"]
+
+
+def test_a_checkpointed_batchnorm_model_is_estimated_on_fake_tensors():
+    """The recompute's guard compares a block's buffers by value; fake tensors have none, so the
+    estimate of a checkpointed BatchNorm CNN is made on fake tensors (not sampled on real rows), and
+    its running statistics are put back as they are in a real step."""
+    import autofit
+    from autofit.plans.plan import Plan
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,)))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    est = autofit.estimate(model, batch, Plan(8, checkpointing=True), loss_fn=loss, device_type="cpu")
+    assert est.method == "fake"

@@ -126,10 +126,12 @@ class Memo:
 
     def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,
                  calibration: float | None = None, throughput: float | None = None,
-                 calibrated: str | None = None) -> None:
+                 calibrated: str | None = None, steady: bool | None = None) -> None:
         """Cache the plan proven for the longest rows trained, with the sizes proven for each length.
         `calibration`: the factor this run measured, comparing `calibrated` peaks ("reserved" or
-        "allocated"); without one, the factor read at the start (if any) is kept."""
+        "allocated"); without one, the factor read at the start (if any) is kept. `steady`: whether the
+        plan ran a step with the optimizer state resident (None: read from `attempts`, see
+        `ran_steady`); a plan that did not is not cached."""
         if not self.enabled:
             return
         longest = sizes.longest_fit(plan)
@@ -137,6 +139,11 @@ class Memo:
         if longest is not None:
             length, size = longest
             plan = plan.with_micro_batch(size, self.global_batch)
+        if not (ran_steady(plan, attempts) if steady is None else steady):
+            # The first step makes the optimizer state and lazily made buffers: a plan that only
+            # fitted that step may not fit the next (issue 39); it is not worth remembering.
+            log.info("plan cache: %s not cached: it ran no step after the run's first", plan.describe())
+            return
         if calibration is None and calibrated is not None:  # keep what is known, never erase it
             calibration = self.known[calibrated] if calibrated in self.known else \
                 self.calibration(calibrated)
@@ -163,6 +170,16 @@ class Memo:
             self.cache.put(self.key, self.fields, entry)
         except Exception as error:
             log.warning("plan cache %s not written: %s", self.cache.path, error)
+
+
+def ran_steady(plan: Plan, attempts) -> bool:
+    """Whether `plan` (or its configuration at a micro-batch at least as large) ran a good step after
+    the run's first good step, when the optimizer state is resident; an offloaded plan's first step
+    proves as much (its state is made in host memory)."""
+    good = [a for a in attempts if a.outcome == "ok"]
+    config = config_of(plan)
+    return any(config_of(a.plan) == config and a.plan.micro_batch_size >= plan.micro_batch_size
+               and (i > 0 or a.plan.offload_optimizer) for i, a in enumerate(good))
 
 
 def _check_sizes(known: SizeLog) -> None:

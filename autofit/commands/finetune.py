@@ -7,7 +7,9 @@ two uint8 moments plus an fp32 absmax per 256-value block (2.03 B; fp32 moments,
 under 4096 values, as bitsandbytes' Optimizer2State.init_state allocates them); a frozen base trains
 only the task head; LoRA (peft, when installed) trains rank-r adapters on every linear layer; bf16
 weights halve the parameters and their gradients (the step then runs in bf16 whatever the plan's
-autocast).
+autocast), fp16 weights likewise; "nf4" and "int8" store the frozen base's linear layers as
+bitsandbytes' 4-bit (QLoRA) and 8-bit (LLM.int8) formats do (`autofit.commands.quantized`), for
+--trainable lora or frozen-base.
 
 What a plan computes in is the weights' dtype and the plan's autocast together: `compute_dtype` and
 `precision_text` say it ("bf16 weights" for a plan without autocast on bf16 weights, "bf16 weights,
@@ -30,7 +32,9 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adafactor", "adamw8bit")
 OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with momentum", "adafactor": "Adafactor",
                    "adamw8bit": "8-bit AdamW"}
 TRAINABLE = ("full", "frozen-base", "lora")
-WEIGHTS = ("fp32", "bf16")
+WEIGHTS = ("fp32", "bf16", "fp16", "nf4", "int8")
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # weights cast whole
+QUANTIZED = ("nf4", "int8")  # a frozen base's linear layers quantized, the rest as built
 # The options that need a package autofit does not depend on: (flag, value) -> the package.
 NEEDS = {("--optimizer", "adamw8bit"): "bitsandbytes", ("--trainable", "lora"): "peft"}
 
@@ -110,8 +114,11 @@ def _lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 
 def prepare(model: torch.nn.Module, *, trainable: str, lora_rank: int, weights: str) -> torch.nn.Module:
     """`model` as the fine-tune trains it (a new wrapper for LoRA, else the same model changed)."""
-    if weights == "bf16":
-        model = model.to(torch.bfloat16)
+    if weights in QUANTIZED and trainable == "full":
+        raise UsageError(f"--weights {weights} quantizes the base, which cannot then be trained whole; use "
+                         f"--trainable lora (QLoRA) or frozen-base.")
+    if weights in HALF:
+        model = model.to(HALF[weights])
     if trainable == "frozen-base":
         base = getattr(model, "base_model", None)
         if base is None or base is model:
@@ -125,6 +132,9 @@ def prepare(model: torch.nn.Module, *, trainable: str, lora_rank: int, weights: 
         model = _lora(model, lora_rank)
     elif trainable != "full":
         raise UsageError(f"--trainable must be one of {', '.join(TRAINABLE)} but got {trainable!r}.")
+    if weights in QUANTIZED:
+        from autofit.commands.quantized import quantize
+        quantize(model, weights)
     return model
 
 
@@ -132,9 +142,9 @@ def batch_for(batch, *, weights: str):
     """The sample batch as the fine-tune feeds it: float inputs (pixels, audio features) in the
     weights' dtype, since a model's first layer takes its input in its own dtype; ids stay int64.
     fp32 weights, or a batch that is not a dict: the batch as given."""
-    if weights != "bf16" or not isinstance(batch, dict):
+    if weights not in HALF or not isinstance(batch, dict):
         return batch
-    return {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    return {k: v.to(HALF[weights]) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in batch.items()}
 
 
@@ -144,9 +154,11 @@ def trained_parameters(model: torch.nn.Module) -> int:
 
 def compute_dtype(precision: str, weights: str) -> str:
     """The dtype a plan's step computes its matmuls in: the autocast's for a mixed `precision`,
-    else the weights'."""
+    else the weights' (fp32 on a quantized base: its layers dequantize into their inputs' dtype)."""
     from autofit.plans import precision as precisions
-    return precision if precisions.get(precision).mixed else weights
+    if precisions.get(precision).mixed:
+        return precision
+    return "fp32" if weights in QUANTIZED else weights
 
 
 def precision_text(precision: str, weights: str) -> str:

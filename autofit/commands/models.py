@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
 import pathlib
+import re
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -186,10 +189,6 @@ def _max_positions(config) -> int | None:
 
 
 def _build(cls, config, task, batch_size, seq_len, device):
-    limit = _max_positions(config)
-    if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids":
-        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
-                             f"({limit} positions); pass --seq-len {limit} or less.")
     if task == "seq2seq":
         _check_decoder_length(cls, config, seq_len)
     try:
@@ -197,7 +196,25 @@ def _build(cls, config, task, batch_size, seq_len, device):
             model = cls(config)
     except Exception as e:
         raise ModelSpecError(f"cannot build {cls.__name__} from its config: {_one_line(e)}") from e
+    limit = _max_positions(config)
+    if limit is not None and seq_len > limit and getattr(cls, "main_input_name", None) == "input_ids" \
+            and has_position_table(model):
+        raise ModelSpecError(f"seq_len {seq_len} is longer than {cls.__name__} takes "
+                             f"({limit} positions); pass --seq-len {limit} or less.")
     return model, samples.sample_batch(model, config, task, batch_size, seq_len)
+
+
+# Names Hugging Face gives a table of absolute positions (BERT, GPT-2, BART/OPT/Whisper, ViT-likes):
+# a model without one (relative positions: DeBERTa-v2 with position_biased_input=False, T5's
+# buckets; rotary or ALiBi positions) takes rows longer than max_position_embeddings.
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions", "position_embedding")
+
+
+def has_position_table(model) -> bool:
+    """Whether `model` looks its rows' positions up in a table of absolute positions (an Embedding
+    named as Hugging Face names them), which bounds the rows it takes."""
+    return any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES
+               for name, module in model.named_modules())
 
 
 def _check_decoder_length(cls, config, seq_len) -> None:
@@ -217,6 +234,26 @@ def quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(before)
+
+
+# Where transformers' modeling code takes an outside package's kernel when it is installed and its
+# own torch code otherwise: `use_kernel_func_from_hub_with_fallback("<function>", "<package>")`.
+_FALLBACK = re.compile(r"use_kernel_func_from_hub_with_fallback\(\s*[\"'][^\"']+[\"']\s*,\s*[\"']([\w.]+)[\"']")
+
+
+def missing_kernels(model) -> list[str]:
+    """The kernel packages `model`'s code would take (mamba_ssm, causal_conv1d, ...) that are not
+    installed here: its step is then priced on the torch fallback, which holds more than the
+    kernels (Mamba-2's chunked scan keeps its chunks' states)."""
+    wanted = set()
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):  # no source to read (a compiled or dynamic module)
+            continue
+        wanted.update(_FALLBACK.findall(source))
+    return sorted(p for p in wanted if importlib.util.find_spec(p.split(".")[0]) is None)
 
 
 # -- module:function ----------------------------------------------------------------------------------

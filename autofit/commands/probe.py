@@ -45,36 +45,45 @@ def cmd_probe(args) -> int:
     if args.verify and not torch.cuda.is_available():
         raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
                          "drop --verify to get the prediction alone.")
+    if args.verify and args.weights in finetune.QUANTIZED:
+        raise UsageError(f"--verify trains real steps, and --weights {args.weights} is priced without "
+                         f"bitsandbytes' kernels; drop --verify to get the prediction alone.")
     reserve, reserve_source = context_reserve(args.context_reserve)
     optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
-    from autofit.commands import models, samples
-    from autofit.estimator.start import WORKSPACE_RESERVE
+    from autofit.commands import models, quantized, samples
+    from autofit.estimator.estimate import own_reserved
+    from autofit.gpu.workspaces import Workspaces
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
     described = samples.describe(batch, model)
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)
     batch = finetune.batch_for(batch, weights=args.weights)
+    # The card is not at hand: its libraries' workspaces are a current card's (the larger ones).
+    workspaces = Workspaces.of_capability()
+    kept = workspaces.reserve(model)  # cuDNN's, for a model with convolutions
+    own = own_reserved(workspaces)
     spec = args.model or models.DEFAULT
     budget = gpu_mem - reserve
     header = {"model": spec, "model_class": type(model).__name__,
-              "parameters": sum(p.numel() for p in model.parameters()),
+              "parameters": quantized.parameter_count(model),
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
               "optimizer": args.optimizer, "weights": args.weights,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
+              "missing_kernels": models.missing_kernels(model),
               "precision": args.precision,
               "gpu_mem_bytes": gpu_mem, "context_reserve_bytes": reserve,
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
-              "workspace_reserve_bytes": WORKSPACE_RESERVE,
-              "usable_bytes": max(budget - WORKSPACE_RESERVE, 0)}
+              "workspace_bytes": own, "workspace_reserve_bytes": kept,
+              "usable_bytes": max(budget - kept, 0)}
     if budget <= 0:
         reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
                   f"({format_size(reserve)}); nothing is left for tensors.")
         return _probe_report(args, _no_plan(header, reason), None)
-    if budget <= WORKSPACE_RESERVE:
+    if budget <= own + kept:
         reason = (f"the card's {format_size(gpu_mem)} less the CUDA context reserve "
                   f"({format_size(reserve)}) leaves {format_size(budget)}, not more than the "
-                  f"{format_size(WORKSPACE_RESERVE)} kept for cuBLAS/cuDNN workspaces; nothing is left "
+                  f"{format_size(own + kept)} of cuBLAS/cuDNN workspaces; nothing is left "
                   f"for tensors.")
         return _probe_report(args, _no_plan(header, reason), None)
 
@@ -83,8 +92,8 @@ def cmd_probe(args) -> int:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
             # A card's limit caps what the caching allocator reserves: the reserved peak decides.
             candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
-                                       reserve=WORKSPACE_RESERVE, device_type="cuda",
-                                       optimizer=optimizer)
+                                       reserve=kept, device_type="cuda",
+                                       optimizer=optimizer, workspaces=workspaces)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         if _caused_by(e, NoLossError) and models.is_function_spec(spec):
             raise UsageError(
@@ -108,7 +117,7 @@ def cmd_probe(args) -> int:
     shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
                                                   default=None)
     reason = None if chosen is not None else capacity.needs_message(
-        candidates, budget, caps="reserved", reserve=WORKSPACE_RESERVE)
+        candidates, budget, caps="reserved", reserve=kept)
     result = {**header, "fits": chosen is not None,
               "plan": None if chosen is None else chosen.plan.to_dict(),
               "compute_dtype": None if chosen is None else finetune.compute_dtype(chosen.plan.precision,
@@ -207,12 +216,13 @@ def _probe_report(args, result: dict, shown) -> int:
                       f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
                       f"parameters)"),
         ("global batch", result["batch"]["text"]),
+        *_fallback(result),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
                             f"({result['context_reserve_source']})"),
         ("budget", f"{format_size(result['budget_bytes'])} for tensors; a plan fits when its reserved "
-                   f"peak is within {format_size(result['usable_bytes'])}, "
-                   f"{format_size(result['workspace_reserve_bytes'])} kept for cuBLAS/cuDNN workspaces"),
+                   f"peak ({format_size(result['workspace_bytes'])} of cuBLAS workspaces included) is "
+                   f"within {format_size(result['usable_bytes'])}{_kept(result)}"),
     ]))
     if result["table"]:
         out()
@@ -247,6 +257,20 @@ def _probe_report(args, result: dict, shown) -> int:
     if not result["fits"]:
         print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
     return code
+
+
+def _fallback(result) -> list[tuple[str, str]]:
+    """The line saying the price is of transformers' torch fallback, where kernels are missing."""
+    missing = result["missing_kernels"]
+    if not missing:
+        return []
+    return [("slow path", f"priced on transformers' torch fallback: {', '.join(missing)} not installed "
+                          f"(with its kernels a step holds less)")]
+
+
+def _kept(result) -> str:
+    kept = result["workspace_reserve_bytes"]
+    return f", {format_size(kept)} kept for cuDNN's convolution workspaces" if kept else ""
 
 
 def _verify(args, budget: int, chosen) -> int:

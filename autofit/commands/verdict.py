@@ -50,7 +50,7 @@ def sentence(result: dict, candidates, chosen) -> str | None:
                     f"card's {_s(usable)} usable for the activations: the plan")
         return f"{what} offloads the state to host memory{_options(result, chosen, 'fit without offload')}."
     if chosen is candidates[0]:
-        kind, size = _largest(chosen.estimate.breakdown)
+        kind, size = _largest(chosen.estimate)
         return (f"The fastest plan fits: {words(chosen)} reserves {_s(_reserved(chosen))} of the "
                 f"{_s(usable)} usable, {kind} the largest part ({_s(size)}); nothing needs to change.")
     if chosen is not None:
@@ -147,9 +147,13 @@ def _reserved(candidate) -> int:
     return int(candidate.estimate.peak("reserved"))
 
 
-def _largest(breakdown: dict) -> tuple[str, int]:
+def _largest(estimate) -> tuple[str, int]:
+    """The largest part of `estimate`'s peak the job decides (the card's own workspaces, counted in
+    "other", are left out of it: no option changes them)."""
     names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
              "activations": "activations", "other": "the rest"}
+    breakdown = dict(estimate.breakdown)
+    breakdown["other"] = breakdown.get("other", 0) - getattr(estimate, "workspace_bytes", 0)
     kind = max(breakdown, key=lambda k: breakdown[k])
     return names.get(kind, kind), int(breakdown[kind])
 

@@ -29,13 +29,13 @@ from autofit.gpu import fragmentation
 from autofit.gpu.device import describe_tensors
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import is_oom, release, summarize
+from autofit.gpu.workspaces import Workspaces
 from autofit.plans.ladder import step_down
 from autofit.plans.plan import Plan
 from autofit.sizes import format_size
 
 log = logging.getLogger("autofit")
 
-CUDA_BASELINE_SLACK = 64 << 20  # cuBLAS/cuDNN workspaces stay cached by design after a first use
 
 # A safety cap, not a verdict: the walk down a ladder ends where the ladder does (plans already
 # seen are passed over, a move going round in circles ends it), and replays of one plan are given
@@ -173,9 +173,10 @@ class Attempter:
         return why if why and self.replay_once(key) else None
 
     def check(self, baseline: int, owned: int | None = None) -> None:
-        """MemoryNotReleased when more than `baseline` (plus CUDA's cached workspaces) stays
+        """MemoryNotReleased when more than `baseline` (plus the device's library workspaces) stays
         allocated; `owned`: the owner's bytes before the attempt, when its growth is allowed."""
-        slack = CUDA_BASELINE_SLACK if self.device.type == "cuda" else 0
+        # The device's library workspaces, taken by the first kernels and kept by design.
+        slack = Workspaces.of_device(self.device).resident
         extra = self.above(baseline, owned, slack)
         if extra <= slack:
             return

@@ -116,7 +116,7 @@ class _Recompute:
         yield
         with torch.no_grad():
             self.changed = [(b, before) for b, before, version in found
-                            if ti.version(b) != version or not torch.equal(b, before)]
+                            if ti.version(b) != version or (not _fake(b) and not torch.equal(b, before))]
 
     @contextlib.contextmanager
     def _recompute(self):
@@ -134,9 +134,15 @@ class _Recompute:
                 for b, value in now:
                     # Only where the recompute did not write the same again: a buffer the
                     # recompute saved for its backward must not be written after it.
-                    if not torch.equal(b, value):
+                    if _fake(b) or not torch.equal(b, value):
                         b.copy_(value)
             self.changed = []
+
+
+def _fake(tensor) -> bool:
+    """A tensor with shapes and no values (the estimator's): its values cannot be compared, and
+    writing them costs no memory, so a buffer the forward wrote is always put back."""
+    return getattr(tensor, "fake_mode", None) is not None
 
 
 def _buffers(block) -> list:

@@ -22,7 +22,7 @@ from autofit.engine.attempt_log import AttemptLog
 from autofit.engine.interfaces import Guide, Runner
 from autofit.engine.batches import rows_of, row_elements
 from autofit.engine.replay import StartState
-from autofit.engine.withdrawal import Withdrawals
+from autofit.engine.withdrawal import MOVES, Withdrawals
 from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
 from autofit.gpu.fragmentation import requested
@@ -308,7 +308,7 @@ class Controller:
         if fallback is not None and not self.sizes.known_to_fail(fallback):
             new, why = fallback, "back to the largest micro-batch known to fit"
         else:
-            new, why = self._next_down(plan, global_batch, where)
+            new, why = self._judged(plan, *self._next_down(plan, global_batch, where), global_batch, where)
         self.next_plan = new
         if new is None:
             if not self.quiet:
@@ -328,6 +328,20 @@ class Controller:
                           not_applicable=self._not_applicable,
                           failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
         return taken if taken is not None else (None, "")
+
+    def _judged(self, plan: Plan, new, why: str, global_batch: int, where: str):
+        """`new`, unless it is a precision or checkpointing move predicted to peak no lower than
+        the same sizes without it: then the move is withdrawn (engine/withdrawal) and the ladder
+        goes on from `plan` without it."""
+        saves = getattr(self.guide, "saves", None)
+        while new is not None and saves is not None:
+            without = new.replace(**{f: getattr(plan, f) for f in MOVES})
+            verdict = saves(new, without) if without != new else None
+            if verdict is None or verdict[0]:
+                break
+            self.withdrawals.withdraw_costlier(new, without, verdict[1], verdict[2])
+            new, why = self._next_down(plan, global_batch, where)  # its reason names the skipped move
+        return new, why
 
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:

@@ -1,5 +1,7 @@
 """Moves withdrawn for a run: a plan a move made whose first attempt raised an error that is not
-out-of-memory, which the plan before it (out of memory on the same global batch) did not raise.
+out-of-memory, which the plan before it (out of memory on the same global batch) did not raise; and
+a precision or checkpointing move whose peak is not lower than the plan's without it (bf16 on a
+model whose weight copies cost more than its activations save), which only costs speed or exactness.
 
 The move cannot run for this job (bf16 on a CPU whose oneDNN has no bf16 LSTM kernel), so every
 plan with the value it set is skipped for the rest of the run, with the error as the reason. An
@@ -13,10 +15,12 @@ import logging
 
 from autofit.gpu.oom import summarize
 from autofit.plans.plan import Plan
+from autofit.sizes import format_size
 
 log = logging.getLogger("autofit")
 
 SIZES = ("micro_batch_size", "accumulation_steps")
+MOVES = ("precision", "checkpointing")  # the moves judged by the peak they save
 
 
 def error_text(error: BaseException) -> str:
@@ -44,9 +48,22 @@ class Withdrawals:
         log.warning("%s raised %s, which %s did not; that move is withdrawn for the rest of the run and the "
                     "ladder goes on without it", plan.describe(), error, before.describe())
 
+    def withdraw_costlier(self, plan: Plan, without: Plan, peak: int, other: int) -> str:
+        """`plan`'s move is predicted to peak at `peak` bytes, not lower than `other` for `without`
+        (the same sizes without the move): withdrawn, and the reason said."""
+        why = (f"its peak is not lower: {format_size(peak)} predicted against {format_size(other)} for "
+               f"{without.describe()}")
+        changed = [(f, getattr(plan, f)) for f in MOVES if getattr(plan, f) != getattr(without, f)]
+        for key in changed:
+            self.withdrawn[key] = why
+        log.warning("%s: %s; that move is withdrawn for the rest of the run and the ladder goes on "
+                    "without it", plan.describe(), why)
+        return why
+
     def reason(self, plan: Plan) -> str | None:
         """Why `plan` may not run (a value a withdrawn move set), or None."""
         for (field, value), error in self.withdrawn.items():
             if getattr(plan, field) == value:
-                return f"{field}={value!r} was withdrawn: it raised {error}"
+                said = error if error.startswith("its peak") else f"it raised {error}"
+                return f"{field}={value!r} was withdrawn: {said}"
         return None

@@ -11,8 +11,9 @@ Fits
 A plan fits when its predicted peak, times the calibration, is within the budget less a reserve:
 the peak the budget caps — `caps="reserved"` (a card, whose memory limit caps what the caching
 allocator reserves) compares the estimate's reserved peak, `caps="allocated"` (a budget on live
-tensor bytes) its allocated peak — so the check compares like with like, and the `reserve` keeps room
-only for what no estimate sees (`autofit.estimator.start.WORKSPACE_RESERVE` on CUDA). `calibration`
+tensor bytes) its allocated peak — so the check compares like with like; the estimates hold the
+device's own bytes (`workspaces`: cuBLAS's, autofit.gpu.workspaces) and the `reserve` keeps room only
+for what no estimate places (cuDNN's workspaces, `autofit.estimator.start.headroom`). `calibration`
 is what measured peaks taught about this model on this device (`autofit.estimator.guide`).
 
 Where the reserved peak decides, it is the peak of the allocator capped at the limit: a card's
@@ -89,13 +90,23 @@ def no_offload(estimator) -> str | None:
 
 
 def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
-                   sharding=None) -> Estimator:
+                   sharding=None, workspaces=None) -> Estimator:
     """The estimator `rank` prices plans with: one rank's (`ShardedEstimator`) for a model sharded
-    with FSDP2 (or a `sharding` to price), else the fake-tensor `Estimator`."""
+    with FSDP2 (or a `sharding` to price), else the fake-tensor `Estimator`; `workspaces`
+    (autofit.gpu.workspaces): the device's own bytes, added to every estimate."""
     sharding = sharding if sharding is not None else sharding_of(model)
     if sharding is not None:
         return ShardedEstimator(model, batch, sharding, optimizer, loss_fn, device_type=device_type)
-    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type)
+    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type, workspaces=workspaces)
+
+
+def unplaced(estimator, workspaces, caps: str) -> int:
+    """The device's own bytes `estimator`'s estimates do not hold (a sharded estimate's: FSDP2's
+    estimator prices tensors only), kept back from the budget instead."""
+    if workspaces is None or getattr(estimator, "workspaces", None) is workspaces:
+        return 0
+    from autofit.estimator.estimate import own_reserved
+    return own_reserved(workspaces) if caps == "reserved" else workspaces.resident
 
 
 def usable_bytes(budget: int, *, margin: float = 1.0, reserve: int = 0) -> float:
@@ -108,7 +119,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
          device_type: str = "cuda", calibration: float = 1.0,
          max_estimates: int | None = None, bf16_supported: bool = True,
          allow_offload: bool = True, estimator: Estimator | None = None,
-         sharding=None) -> list[Candidate]:
+         sharding=None, workspaces=None) -> list[Candidate]:
     """Estimate plans for one global `batch` against `budget` bytes; the candidates, fastest first.
 
     A candidate fits when `estimate.peak(caps) * calibration <= (budget - reserve) * margin`:
@@ -120,6 +131,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     why. `estimator`: an `Estimator` of this model and batch to reuse (made here when None, by
     `make_estimator`). `sharding` (autofit.estimator.sharded.Sharding; read from a model sharded with
     FSDP2): the plans are priced for one rank, `batch` being its share of the global batch.
+    `workspaces` (autofit.gpu.workspaces, `headroom`'s): the device's own bytes, in every estimate.
     """
     budget = parse_size(budget)
     precisions.check_policy(precision)  # a bad precision fails before any work
@@ -131,7 +143,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
     tokens = tokens_per_row(batch)  # token batches are weighed by their tokens (estimator/cost)
     if estimator is None:
         estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
-                                   sharding=sharding)
+                                   sharding=sharding, workspaces=workspaces)
     reshard = (None,)
     if isinstance(estimator, ShardedEstimator):
         allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
@@ -140,7 +152,7 @@ def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=No
                             allow_offload=allow_offload,
                             checkpointing=Checkpointing(estimator.model).available, reshard=reshard,
                             tokens_per_row=tokens)
-    usable = usable_bytes(budget, margin=margin, reserve=reserve)
+    usable = usable_bytes(budget, margin=margin, reserve=reserve + unplaced(estimator, workspaces, caps))
     limit = usable / calibration
     measured: dict[Plan, Candidate] = {}
 
@@ -324,9 +336,11 @@ def choose(candidates) -> Candidate | None:
 
 
 def needs_message(candidates, budget, *, margin: float = 1.0, calibration: float = 1.0,
-                  caps: str = "allocated", reserve: int = 0, no_offload: str | None = None) -> str:
+                  caps: str = "allocated", reserve: int = 0, no_offload: str | None = None,
+                  workspaces=None) -> str:
     """Why no candidate fits `budget`, in the field's words, and what to do; or which one fits.
-    `no_offload`: why this caller cannot offload the optimizer (its advice then leaves it out)."""
+    `no_offload`: why this caller cannot offload the optimizer (its advice then leaves it out);
+    `workspaces` is `headroom`'s, already in the candidates' estimates."""
     budget = parse_size(budget)
     candidates = list(candidates)
     usable = max(usable_bytes(budget, margin=margin, reserve=reserve) / calibration, 0)
@@ -334,9 +348,9 @@ def needs_message(candidates, budget, *, margin: float = 1.0, calibration: float
     if margin != 1 or calibration != 1:
         of_budget += f" ({format_size(usable)} usable at margin {margin:g}"
         of_budget += f", calibration {calibration:g}" if calibration != 1 else ""
-        of_budget += f", {format_size(reserve)} kept for workspaces)" if reserve else ")"
+        of_budget += f", {format_size(reserve)} kept for cuDNN's workspaces)" if reserve else ")"
     elif reserve:
-        of_budget += f" ({format_size(usable)} usable, {format_size(reserve)} kept for workspaces)"
+        of_budget += f" ({format_size(usable)} usable, {format_size(reserve)} kept for cuDNN's workspaces)"
     reserved = " reserved" if caps == "reserved" else ""
     chosen = choose(candidates)
     if chosen is not None:

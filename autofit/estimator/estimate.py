@@ -88,8 +88,10 @@ from autofit.estimator.fakes import (
     on_device_state,
     warm,
 )
+from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.recorded import RecordingAllocator, replay_capped
 from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
+from autofit.gpu.workspaces import Workspaces
 from autofit.plans import precision as precisions
 from autofit.plans import switches
 from autofit.plans.plan import Plan
@@ -128,6 +130,9 @@ class MemoryEstimate:
     # The peak CUDA's caching allocator reserves for the step (allocated + cached + fragmentation),
     # replayed through autofit.gpu.allocator; None for an estimate made before it was known.
     reserved_bytes: int | None = field(default=None, compare=False)
+    # CUDA's own bytes counted in the peaks (cuBLAS/cuBLASLt workspaces, autofit.gpu.workspaces):
+    # 0 for an estimate of tensors only.
+    workspace_bytes: int = field(default=0, compare=False)
 
     def peak(self, caps: str = "allocated") -> int:
         """The peak a budget capping `caps` ("allocated" or "reserved") is compared with."""
@@ -153,8 +158,9 @@ class _Meter(SimulatedGPU):
 
     name = "estimator"
 
-    def __init__(self, record: bool = True):
+    def __init__(self, record: bool = True, whole_blocks: bool = False):
         super().__init__(None)
+        self.whole_blocks = whole_blocks  # a card's accounting: blocks handed out whole count whole
         if record:  # every call of the allocator model, for replays under a cap
             self.allocator = RecordingAllocator()
         self.kind = "activations"        # the kind new storages get
@@ -222,11 +228,13 @@ class _Meter(SimulatedGPU):
             kind = self._kinds.get(key)
             if kind is None:
                 self._kinds[key] = kind = self.kind
-                self.totals[kind] += entry[1]
-                self._sizes[key] = entry[1]
-            elif self._sizes[key] != entry[1]:  # resized in place
-                self.totals[kind] += entry[1] - self._sizes[key]
-                self._sizes[key] = entry[1]
+                charged = self._charge(entry[1], entry[2])
+                self.totals[kind] += charged
+                self._sizes[key] = charged
+            elif self._sizes[key] != self._charge(entry[1], entry[2]):  # resized in place
+                charged = self._charge(entry[1], entry[2])
+                self.totals[kind] += charged - self._sizes[key]
+                self._sizes[key] = charged
         if self._allocated > self.top:
             self.top = self._allocated
             self.top_breakdown = dict(self.totals)
@@ -366,7 +374,7 @@ class Estimator:
     sharding = None  # estimator/sharded.Sharding: how a sharded estimate's copy is sharded
 
     def __init__(self, model, batch, optimizer=None, loss_fn=None, *, device_type: str = "cuda",
-                 derive_repeated: bool = True):
+                 derive_repeated: bool = True, workspaces: Workspaces | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
         if device_type not in DEVICE_TYPES:
@@ -377,6 +385,7 @@ class Estimator:
                             f"{loss_fn!r}.")
         self.rows = rows_of(batch)  # raises on a batch that cannot be split
         self.device_type, self.loss_fn = device_type, loss_fn
+        self.workspaces = workspaces  # the device's own bytes, added to every estimate (None: none)
         self.estimates = 0  # how many plans were measured
         # A shape environment so that values read from data (`loss.item()`, a mask's row count)
         # are symbols, and a branch on one takes its hint (`_Hints`) instead of failing.
@@ -479,6 +488,18 @@ class Estimator:
         cached segments when it reaches the cap as a capped card's allocator does (`capped`)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
+        estimate = self._bare(plan, after)
+        return with_workspaces(estimate if limit is None else self._capped(estimate, limit - self._own_reserved()),
+                               self._own())
+
+    def _own(self) -> Workspaces | None:
+        return getattr(self, "workspaces", None)
+
+    def _own_reserved(self) -> int:
+        return own_reserved(self._own())
+
+    def _bare(self, plan: Plan, after: Plan | None = None) -> MemoryEstimate:
+        """`measure` of the step's tensors only, uncapped (the device's own bytes not added)."""
         self._recorded = None
         if self._sampled is None:
             cached = len(ti.fake_tensor_mode_class().cache) if self._forgets_dispatch() else None
@@ -496,7 +517,7 @@ class Estimator:
         if self._sampled is not None:
             estimate = self._sampled.measure(plan)
         self.estimates += 1
-        return estimate if limit is None else self._capped(estimate, limit)
+        return estimate
 
     _sharing = 0  # inside sharing_dispatch_cache()
 
@@ -526,10 +547,10 @@ class Estimator:
         an estimate measured on real rows (`method="sampled"`) has no record and stays as it is."""
         recorded = getattr(self, "_recorded", None)
         if recorded is None or recorded[0] != plan:
-            estimate = self.measure(plan)
+            estimate = self._bare(plan)
         else:
             estimate = recorded[1]
-        return self._capped(estimate, limit)
+        return with_workspaces(self._capped(estimate, limit - self._own_reserved()), self._own())
 
     def _capped(self, estimate: MemoryEstimate, limit: int) -> MemoryEstimate:
         reserved, allocated = estimate.reserved_bytes, estimate.peak_bytes
@@ -558,7 +579,7 @@ class Estimator:
         return repeated.measure(plan) if repeated else None
 
     def _new_meter(self) -> "_Meter":
-        return _Meter()
+        return _Meter(whole_blocks=self._own() is not None)
 
     def _counting_mode(self, meter) -> _CountingMode:
         return _EstimateMode(meter)
@@ -666,6 +687,30 @@ class Estimator:
         return estimate
 
 
+def own_reserved(workspaces: Workspaces | None) -> int:
+    """The reserved bytes `workspaces` take: each workspace's segment (an upper bound where a
+    remainder of it is shared with tensors' blocks)."""
+    if workspaces is None:
+        return 0
+    sizes = [workspaces.cublas] * 2 + [workspaces.cublaslt]
+    return sum(segment_size(round_size(n)) for n in sizes if n)
+
+
+def with_workspaces(estimate: MemoryEstimate, workspaces: Workspaces | None) -> MemoryEstimate:
+    """`estimate` with a card's own bytes added: in a steady-state step both kernel threads'
+    workspaces are allocated throughout, so they add to every peak and count as "other"."""
+    if workspaces is None or not workspaces.resident:
+        return estimate
+    own = workspaces.resident
+    breakdown = dict(estimate.breakdown)
+    breakdown["other"] = breakdown.get("other", 0) + own
+    reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes + own_reserved(workspaces)
+    step = None if estimate.step_bytes is None else estimate.step_bytes + own
+    return dataclasses.replace(estimate, peak_bytes=estimate.peak_bytes + own, breakdown=breakdown,
+                               reserved_bytes=reserved, step_bytes=step,
+                               workspace_bytes=estimate.workspace_bytes + own)
+
+
 def _forget_cached_dispatch(keep: int) -> None:
     """Drop what a measure (or a search's measures: `Estimator.sharing_dispatch_cache`) added to
     FakeTensorMode's dispatch cache (shared by every fake mode, never trimmed by torch): one
@@ -686,9 +731,13 @@ def _unique(tensors):
 
 
 def estimate(model: torch.nn.Module, batch: Batch, plan: Plan, optimizer: OptimizerArg = None,
-             loss_fn: LossFn | None = None, *, device_type: str = "cuda") -> MemoryEstimate:
+             loss_fn: LossFn | None = None, *, device_type: str = "cuda",
+             workspaces: Workspaces | None = None) -> MemoryEstimate:
     """Predict the peak device memory of a training step of `model` on `batch` under `plan`.
 
+    `workspaces` (autofit.gpu.workspaces: `Workspaces.of_capability((9, 0))` for a Hopper card) adds
+    the card's library workspaces to the peaks and counts blocks handed out whole as c10 does; None
+    estimates the step's tensors only.
     `batch` is one global batch (on any device, `meta` included); `optimizer` is None (AdamW), an
     Optimizer (its class, options and current state) or a factory `params -> Optimizer`; `loss_fn`
     as in `autofit.run`. Nothing of the caller's is changed and no tensor data is allocated.
@@ -703,4 +752,5 @@ def estimate(model: torch.nn.Module, batch: Batch, plan: Plan, optimizer: Optimi
     if sharding is not None:  # sharded with FSDP2: one rank's peak, `batch` being its share
         return ShardedEstimator(model, batch, sharding, optimizer, loss_fn,
                                 device_type=device_type).measure(plan)
-    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type).measure(plan)
+    return Estimator(model, batch, optimizer, loss_fn, device_type=device_type,
+                     workspaces=workspaces).measure(plan)

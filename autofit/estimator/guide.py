@@ -24,6 +24,12 @@ The capacity check predicts which plans fit before the first step; a `Guide` kee
   ladder's: a bound learned at a large micro-batch is far too high for a small one where the
   estimate's constant part, weights and optimizer state, dominates.)
 
+Constants are not factors: the estimates hold the device's own bytes (`constant`: the cuBLAS and
+cuBLASLt workspaces, autofit.gpu.workspaces), which a measurement holds too. The factor is learned
+from, and applied to, the rest: (measured - constant) / (predicted - constant), so bytes that are the
+same at every micro-batch never grow with it (a factor learned at one row is not applied to the
+workspaces again at 32).
+
 The rule between a bound and a factor: the calibration is the larger of the two, the factor in
 force when the attempt failed (this run's, else the cached one) having been proven too low. A later
 good measurement that becomes the applied factor replaces the bound: a measured factor is better
@@ -62,8 +68,10 @@ class Guide:
     """One run's calibrated estimates; `caps` is the peak the budget limits, `usable` the bytes a
     calibrated peak may take, `calibration` the factor known before the run (None: 1)."""
 
-    def __init__(self, device, caps: str, usable: float, calibration: float | None = None):
+    def __init__(self, device, caps: str, usable: float, calibration: float | None = None,
+                 constant: int = 0):
         self.device, self.caps, self.usable = device, caps, usable
+        self.constant = constant              # bytes in every estimate and measurement alike
         self.known = calibration              # from the plan cache, for this model and device
         self.ratio: float | None = None       # measured / predicted ...
         self.measured_at = 0                  # ... at this micro-batch, the largest measured
@@ -104,12 +112,14 @@ class Guide:
         for c in candidates:
             self.estimates[c.plan] = c.estimate
 
-    def predicted(self, plan: Plan, micro_batch: int | None = None, after: Plan | None = None) -> int | None:
+    def predicted(self, plan: Plan, micro_batch: int | None = None, after: Plan | None = None,
+                  steps_aside: bool = True) -> int | None:
         """The uncalibrated peak (of `caps`) of `plan` at `micro_batch` rows, or None when there is
         no estimator (any more). Where the budget caps reserved bytes, the step of `after` (default:
         `plan` itself, as a run starting with it) is replayed through the allocator model first, and
         the model is capped at the bytes a calibrated peak may take: a capped allocator releases its
-        cached segments at the cap, so a step may fit under it whose unbounded peak would not."""
+        cached segments at the cap, so a step may fit under it whose unbounded peak would not.
+        `steps_aside`: whether an estimate that fails ends the guide (else only this answer is None)."""
         if self.estimator is None:
             return None
         m = plan.micro_batch_size if micro_batch is None else micro_batch
@@ -117,21 +127,46 @@ class Guide:
         if self.caps == "reserved":
             after = plan if after is None else after.with_micro_batch(min(after.micro_batch_size, self.rows),
                                                                       self.rows)
-            limit = int(self.usable / self.calibration)
+            limit = int(self.uncalibrated(self.usable))
             key = (plan, after, limit)
         else:  # the allocated peak is the step's own, whatever the cache held
-            key = plan
+            key, limit = plan, None
         if key not in self.estimates:
             try:
-                with rng_untouched(self.estimator.model):  # nor the RNG the run draws from
-                    self.estimates[key] = (self.estimator.measure(plan, after=after, limit=limit)
-                                           if self.caps == "reserved" else self.estimator.measure(plan))
+                self._measure(key, plan, after, limit)
             except Exception as error:  # the guide is optional: the search bisects without it
+                if not steps_aside:
+                    return None
                 log.warning("micro-batch search: cannot estimate %s (%s); searching without "
                             "estimates", plan.describe(), one_line(error))
                 self.estimator = None
                 return None
         return self.estimates[key].peak(self.caps)
+
+    def _measure(self, key, plan: Plan, after: Plan | None, limit: int | None) -> None:
+        with rng_untouched(self.estimator.model):  # nor the RNG the run draws from
+            self.estimates[key] = (self.estimator.measure(plan, after=after, limit=limit)
+                                   if self.caps == "reserved" else self.estimator.measure(plan))
+
+    def calibrated(self, peak: int) -> float:
+        """`peak` (an estimate holding `constant`) with the factor applied to all but the constant."""
+        return (peak - self.constant) * self.calibration + self.constant
+
+    def uncalibrated(self, usable: float) -> float:
+        """The largest estimated peak whose calibrated peak is within `usable`."""
+        return (usable - self.constant) / self.calibration + self.constant
+
+    def saves(self, moved: Plan, unmoved: Plan) -> tuple[bool, int, int] | None:
+        """Whether `moved` (a precision or checkpointing move) is predicted to peak lower than
+        `unmoved` (the same micro-batch without the move): (saves, its peak, the unmoved peak), or
+        None when the guide cannot say."""
+        if moved.micro_batch_size > (self.rows or 0):
+            return None
+        # A move the estimator cannot follow (a kernel without bf16) is for the run to find out.
+        peak, without = self.predicted(moved, steps_aside=False), self.predicted(unmoved, steps_aside=False)
+        if peak is None or without is None:
+            return None
+        return peak < without, peak, without
 
     def observe(self, plan: Plan, peak: int, length, first: bool = False) -> None:
         """A good attempt of `plan` on rows `length` long whose allocated peak was `peak` (on a
@@ -145,12 +180,13 @@ class Guide:
         measured = self.device.max_memory_reserved() if self.caps == "reserved" else peak
         predicted = self.predicted(plan, after=self.previous)
         self.previous = plan
-        if not predicted or not measured:
+        if not predicted or not measured or predicted <= self.constant or measured <= self.constant:
             return
         # The factor of the largest micro-batch measured: the nearest to where the search probes
         # (what an estimate misses is part constant, part proportional to the rows).
         if plan.micro_batch_size >= self.measured_at:
-            self.ratio, self.measured_at = measured / predicted, plan.micro_batch_size
+            self.ratio = (measured - self.constant) / (predicted - self.constant)
+            self.measured_at = plan.micro_batch_size
             self.bound = None  # a measurement replaces a bound: see the module's docstring
 
     def failed(self, plan: Plan, length, reached: int | None = None) -> None:
@@ -162,9 +198,9 @@ class Guide:
         if length != self.length:
             return
         predicted = self.predicted(plan, after=self.previous)  # as the guess that chose it replayed it
-        if not predicted:
+        if not predicted or predicted <= self.constant:
             return
-        bound = max(self.usable + 1, reached or 0) / predicted
+        bound = (max(self.usable + 1, reached or 0) - self.constant) / (predicted - self.constant)
         self.bound = bound if self.bound is None else max(self.bound, bound)
         config = config_of(plan)
         self.failures.add(config)
@@ -198,7 +234,7 @@ class Guide:
 
         def fits(m: int) -> bool | None:
             peak = self.predicted(plan, m, after=None if start else plan.with_micro_batch(fit, self.rows))
-            return None if peak is None else peak * self.calibration <= self.usable
+            return None if peak is None else self.calibrated(peak) <= self.usable
 
         lo, hi = fit, top + 1  # lo fits (proven), hi does not (known or predicted)
         first = fits(top) if top > fit else False

@@ -3,9 +3,11 @@
 The capacity check estimates candidate plans on fake tensors before the first step. The run then
 starts from the fastest plan predicted to fit the budget, and OOMs only correct the estimate. It
 compares like with like (`headroom`): where the budget caps what the caching allocator reserves (a
-CUDA card; a simulated GPU with caps="reserved") the estimate's reserved peak, less only
-WORKSPACE_RESERVE on CUDA; where it caps live tensor bytes (the simulated GPU's default) the
-allocated peak, against all of it. Estimates are scaled by the calibration measured for this model
+CUDA card; a simulated GPU with caps="reserved") the estimate's reserved peak; where it caps live
+tensor bytes (the simulated GPU's default) the allocated peak. The estimates hold the device's own
+bytes (cuBLAS/cuBLASLt workspaces, `autofit.gpu.workspaces`: a card's by its compute capability, a
+simulated GPU's as made), and the budget keeps back only what no estimate can place: cuDNN's
+convolution workspaces, on a model with convolutions. Estimates are scaled by the calibration measured for this model
 on this device (`autofit.estimator.guide`). When no plan can fit, the run stops before training with
 what would be needed. The check is optional: when the estimator cannot follow the model (an error of
 any kind inside it), that is said in one line and the run starts as it would without the check.
@@ -17,8 +19,10 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import choose, make_estimator, needs_message, no_offload, rank, usable_bytes
+from autofit.estimator.capacity import choose, make_estimator, needs_message, no_offload, rank, unplaced, usable_bytes
+from autofit.estimator.estimate import own_reserved
 from autofit.estimator.guide import Guide
+from autofit.gpu.workspaces import Workspaces
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
 from autofit.plans.sizelog import config_of
@@ -27,14 +31,8 @@ from autofit.sizes import format_size
 
 log = logging.getLogger("autofit")
 
-# What a CUDA card's allocator reserves that no estimate of tensors sees: cuBLAS's workspace, which
-# PyTorch allocates through the caching allocator per handle and stream (CublasHandlePool.cpp; the
-# cuBLAS docs recommend 32 MiB on Hopper, 4 MiB before; PyTorch's default CUBLAS_WORKSPACE_CONFIG
-# ":4096:8" on sm90 is 8 x 4 MiB), plus cuBLASLt's and cuDNN's workspaces. 64 MiB is the same figure
-# the controller allows a failed attempt to leave cached (CUDA_BASELINE_SLACK). The CUDA context
-# itself lies outside the budget: `tensor_budget` reads the free memory after the context exists,
-# and `autofit probe` subtracts its context reserve from the card's memory.
-WORKSPACE_RESERVE = 64 << 20
+# The CUDA context lies outside the budget: `tensor_budget` reads the free memory after the context
+# exists, and `autofit probe` subtracts its context reserve from the card's memory.
 SETTLE_WITHIN = 0.1  # from an estimated start, probe upward only for gains above 10%
 
 
@@ -57,19 +55,32 @@ def budget_caps(device) -> str:
     return getattr(getattr(device, "gpu", None), "caps", "allocated")
 
 
-def headroom(device) -> dict:
-    """`rank`'s keywords for comparing an estimate with this device's budget: which peak, and the
-    bytes kept back for what no estimate sees (WORKSPACE_RESERVE on CUDA, none elsewhere)."""
-    return {"caps": budget_caps(device), "reserve": WORKSPACE_RESERVE if device.type == "cuda" else 0}
+def headroom(device, model=None) -> dict:
+    """`rank`'s keywords for comparing an estimate with this device's budget: which peak, the
+    device's own bytes the estimates hold (`workspaces`: None where it has none), and the bytes kept
+    back for what no estimate places (cuDNN's workspaces for `model`'s convolutions; for any model
+    when `model` is None)."""
+    workspaces = Workspaces.of_device(device)
+    return {"caps": budget_caps(device), "reserve": workspaces.reserve(model),
+            "workspaces": workspaces if workspaces.resident else None}
 
 
-def make_guide(device, calibration: float | None = None) -> Guide | None:
+def make_guide(device, calibration: float | None = None, model=None) -> Guide | None:
     """A Guide for the device's budget (None where nothing is counted or limited)."""
     budget = tensor_budget(device)
     if budget is None:
         return None
-    room = headroom(device)
-    return Guide(device, room["caps"], usable_bytes(budget, reserve=room["reserve"]), calibration)
+    room = headroom(device, model)
+    constant = own_bytes(room["workspaces"], room["caps"])
+    return Guide(device, room["caps"], usable_bytes(budget, reserve=room["reserve"]), calibration,
+                 constant=constant)
+
+
+def own_bytes(workspaces, caps: str) -> int:
+    """The bytes of the device's own an estimate of `caps` holds (a constant, whatever the plan)."""
+    if workspaces is None:
+        return 0
+    return own_reserved(workspaces) if caps == "reserved" else workspaces.resident
 
 
 def longest_batch(data, first):
@@ -116,15 +127,19 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     if budget is None:
         return None
     device_type = "cuda" if device.type == "cuda" else "cpu"
-    room = headroom(device)
+    room = headroom(device, model)
     calibration = 1.0 if guide is None else guide.calibration
     whole = [] if coupling is None else \
         [p for p in coupling.whole_plans(rows_of(batch), precision, device.supports_bf16())
          if not_applicable(p, model, optimizer, device) is None]
     try:
         with rng_untouched(model):  # fake-tensor work must not move the RNG the first step draws from
-            estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type)
-            kept = _first_whole_fitting(whole, estimator, budget, room, calibration)
+            estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
+                                       workspaces=room["workspaces"])
+            # (rank keeps back itself what a sharded estimate does not hold: see capacity.unplaced)
+            unheld = unplaced(estimator, room["workspaces"], room["caps"])
+            whole_room = dict(room, reserve=room["reserve"] + unheld)
+            kept = _first_whole_fitting(whole, estimator, budget, whole_room, calibration)
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))
                 return kept

@@ -217,6 +217,10 @@ class CudaDevice(Device):
     def torch_device(self):
         return torch.device("cuda", self.index)
 
+    def capability(self) -> tuple[int, int]:
+        """The card's compute capability (its library workspaces depend on it)."""
+        return torch.cuda.get_device_capability(self.index)
+
     def memory_allocated(self):
         return torch.cuda.memory_allocated(self.index)
 

@@ -26,6 +26,7 @@ import torch
 
 from autofit import torch_internals as ti
 from autofit.gpu.allocator import AllocationFailed, CachingAllocator
+from autofit.gpu.workspaces import BLAS_OPS, KERNEL_THREADS, Workspaces
 from autofit.sizes import format_size, parse_size
 
 ROUNDING = 512
@@ -71,7 +72,8 @@ class SimulatedGPU:
 
     name = "simulated"
 
-    def __init__(self, budget=None, expandable_segments: bool = False, caps: str = "allocated"):
+    def __init__(self, budget=None, expandable_segments: bool = False, caps: str = "allocated",
+                 workspaces: Workspaces | None = None):
         ti.require(ti.SIMULATED)
         if caps not in CAPS:
             raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}.")
@@ -88,6 +90,12 @@ class SimulatedGPU:
         self._counting = 0  # > 0 inside untracked(): host memory, not counted
         self._ref_keys: dict[int, int] = {}  # id(weak reference) -> storage key
         self._dead = _death_callback(weakref.ref(self))  # one callback for every storage
+        # A card's own bytes (gpu/workspaces): each kernel thread's first cuBLAS kernel takes its
+        # workspace, kept to the end; and c10's count of a block handed out whole as allocated.
+        self.workspaces = workspaces
+        self.whole_blocks = workspaces is not None
+        self._threads_pending = set(KERNEL_THREADS) if workspaces is not None else set()
+        self._workspace_blocks: list = []
 
     # -- the counters, named as torch.cuda's ---------------------------------------------------
     def memory_allocated(self) -> int:
@@ -160,12 +168,51 @@ class SimulatedGPU:
             self._counting -= 1
 
     # -- accounting ----------------------------------------------------------------------------
+    def _charge(self, nbytes: int, block) -> int:
+        """The allocated bytes a storage of `nbytes` in `block` counts: on a card (`whole_blocks`)
+        the block's, which c10 hands out whole when splitting would leave too little (a large-pool
+        remainder of at most 1 MiB); else the rounded request."""
+        return block.size if self.whole_blocks and block is not None else nbytes
+
     def _forget(self, key: int, nbytes: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
-            self._allocated -= nbytes
+            self._allocated -= self._charge(nbytes, entry[2])
             if entry[2] is not None:
                 self.allocator.free(entry[2])
+
+    def kernel_ran(self) -> None:
+        """A cuBLAS kernel ran: the first on its thread (backward runs on autograd's device thread)
+        takes that thread's workspaces, as a card's handle pool does."""
+        thread = KERNEL_THREADS[1] if ti.graph_task_id() != -1 else KERNEL_THREADS[0]
+        if thread in self._threads_pending:
+            self._threads_pending.discard(thread)
+            for nbytes in self.workspaces.first(thread):
+                self._take_workspace(nbytes)
+
+    def take_workspaces(self) -> None:
+        """Every kernel thread's workspaces, as they are from a run's first backward on."""
+        for thread in KERNEL_THREADS:
+            if thread in self._threads_pending:
+                self._threads_pending.discard(thread)
+                for nbytes in self.workspaces.first(thread):
+                    self._take_workspace(nbytes)
+
+    def _take_workspace(self, nbytes: int) -> None:
+        if self.caps == "allocated" and self.budget is not None and self._allocated + nbytes > self.budget:
+            raise self._oom(nbytes)
+        try:
+            block = self.allocator.malloc(nbytes)
+        except AllocationFailed:
+            raise self._oom(nbytes) from None
+        self._workspace_blocks.append(block)
+        charged = self._charge(nbytes, block)
+        self._allocated += charged
+        self._peak = max(self._peak, self._allocated)
+        self._workspace_taken(charged)
+
+    def _workspace_taken(self, nbytes: int) -> None:
+        """Hook: `nbytes` of workspace were counted as allocated."""
 
     def _storage_bytes(self, storage) -> int:
         return storage.nbytes()
@@ -237,12 +284,14 @@ class SimulatedGPU:
             if old is None:
                 ref = weakref.ref(storage, self._dead)
                 self._ref_keys[id(ref)] = key
+                before = 0
             else:  # resized in place: its old block goes back, its weak reference stays
+                before = self._charge(old[1], old[2])
                 if old[2] is not None:
                     self.allocator.free(old[2])
                 ref = old[0]
             live[key] = (ref, nbytes, block)
-            self._allocated += extra
+            self._allocated += self._charge(nbytes, block) - before
         if self._allocated > self._peak:
             self._peak = self._allocated
 
@@ -327,6 +376,8 @@ def _count(self, func, types, args=(), kwargs=None):
         if allocates:
             # inputs are looked at only where an output may share their storage (ALIASES)
             self.gpu._account(_tensors(out), inputs=(args, kwargs) if allocates is ALIASES else ())
+        if self.gpu._threads_pending and getattr(func, "overloadpacket", None) in _BLAS:
+            self.gpu.kernel_ran()
     return out
 
 
@@ -366,6 +417,7 @@ class _CountingMode(ti.TorchDispatchMode):
 
 
 _ALLOCATES: dict = {}  # op -> False, FRESH or ALIASES (see _may_allocate)
+_BLAS = {getattr(torch.ops.aten, name) for name in BLAS_OPS if hasattr(torch.ops.aten, name)}
 _RESIZING = {"resize_", "resize_as_", "set_", "_resize_output_"}
 FRESH, ALIASES = "fresh", "aliases"
 
@@ -393,12 +445,16 @@ def _may_allocate(func):
 
 @contextlib.contextmanager
 def simulate_gpu(budget: int | float | str | None = None, *, caps: str = "allocated",
-                 expandable_segments: bool = False) -> Iterator[SimulatedGPU]:
+                 expandable_segments: bool = False,
+                 capability: tuple[int, int] | None = None) -> Iterator[SimulatedGPU]:
     """CPU tensors made inside count against `budget` bytes ("2GiB", an int, or None: no limit).
 
     `caps="allocated"` limits live tensor bytes; `caps="reserved"` limits what the modelled caching
     allocator reserves, as on a card. `expandable_segments=True` models
-    `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
+    `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`. `capability` (a card's compute capability,
+    `(9, 0)` for Hopper) makes it hold what such a card's own libraries allocate: the cuBLAS and
+    cuBLASLt workspaces from each kernel thread's first matrix product on, and blocks handed out
+    whole counted whole (`autofit.gpu.workspaces`); without it, only tensors are counted.
 
     >>> with simulate_gpu("2GiB") as gpu:
     ...     x = torch.zeros(1024)
@@ -409,7 +465,8 @@ def simulate_gpu(budget: int | float | str | None = None, *, caps: str = "alloca
         raise RuntimeError("simulate_gpu contexts cannot be nested; use the GPU you already have.")
     if not isinstance(expandable_segments, bool):
         raise TypeError(f"expandable_segments must be True or False but got {expandable_segments!r}.")
-    gpu = SimulatedGPU(budget, expandable_segments, caps)
+    workspaces = None if capability is None else Workspaces.of_capability(capability)
+    gpu = SimulatedGPU(budget, expandable_segments, caps, workspaces)
     _active.gpu = gpu
     try:
         with _CountingMode(gpu):

@@ -160,7 +160,7 @@ class Training:
                 # The guide's probe is one rank's estimate: under torch.distributed the ranks'
                 # agreement steers the search instead.
                 guide = None if self.distributed else \
-                    make_guide(device, memo.calibration(budget_caps(device)))
+                    make_guide(device, memo.calibration(budget_caps(device)), model)
                 estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
                                             lockstep.estimate_view(device), precision, sizes,
                                             coupling=self.coupling, guide=guide)

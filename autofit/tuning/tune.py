@@ -307,8 +307,9 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
                 and t.plan.micro_batch_size > winner.micro_batch_size:
             sizes.record(t.plan, False, global_batch)
     peak = max((t.peak_bytes or 0 for t in trials if t.plan == winner and t.outcome == "ok"), default=0)
+    # A trial trains several steps (its warm-up first): the winner ran with its optimizer state.
     memo.remember(winner, sizes, [Attempt(winner, "ok", "tuned: the plan tune chose", peak)],
-                  global_batch, throughput=result.samples_per_second)
+                  global_batch, throughput=result.samples_per_second, steady=True)
     result.cached = memo.cache.get(memo.key) is not None
 
 
