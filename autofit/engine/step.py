@@ -148,6 +148,7 @@ class StepRunner:
         """Leave the model and optimizer as a plain loop would: own switches off. Offloaded state
         stays on the host, where the optimizer keeps it (offload.py)."""
         self.checkpointing.restore()
+        self.atomic.close()
         if self.offloaded is not None:
             self.offloaded.close()
             self.offloaded = None
