@@ -153,7 +153,8 @@ def _train(training, epoch_batches, epochs, result, progress, evaluation=None) -
             result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": training.lockstep.global_rows,
                                    "plan": plan, "grad_norm": training.runner.grad_norm})
             if bar is not None:
-                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}")
+                # shown at tqdm's own refresh rate: a forced redraw per step costs every step
+                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}", refresh=False)
         if bar is not None:
             bar.close()
         if evaluation is not None:
