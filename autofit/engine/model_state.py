@@ -25,7 +25,9 @@ that the loss reached (a discriminator's parameters). A piece per kind of state:
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import operator
 
 import torch
 
@@ -50,9 +52,14 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return _local(tensor.detach()).to("cpu", copy=True)
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
+
+
 def trained(optimizer) -> set:
     """ids of the parameters the optimizer updates: in its param_groups and requiring grad."""
-    return {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    params = list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    return set(map(id, itertools.compress(params, map(_requires_grad, params))))
 
 
 class Untrained:
@@ -73,10 +80,12 @@ class Untrained:
         skip = trained(self.optimizer)
         if self.saved and self.learned < LEARN_STEPS:
             self._learn()
+        if not self.saved and set(map(id, self.tree.parameters())) <= skip:
+            return  # the optimizer trains every parameter: nothing else to keep
         learning = self.learned < LEARN_STEPS
         seen = {}
-        for module in self.tree.modules():
-            for name, p in ti.own_parameters(module).items():
+        for module, own, _buffers in self.tree.slots():
+            for name, p in own.items():
                 if p is None or id(p) in skip:
                     continue
                 key = (id(module), name)
@@ -320,24 +329,22 @@ class Gradients:
         self._found_outside = False          # some walk found a leaf outside the model
         self._params: tuple | None = None    # (tree walk, ids of the model's parameters)
 
-    def _parameters(self):
-        for module in self.tree.modules():
-            own = ti.own_parameters(module)
-            if own:
-                yield from (p for p in own.values() if p is not None)
-
     def _param_ids(self) -> set:
         if self._params is None or self._params[0] != self.tree.walks:
-            self._params = (self.tree.walks, {id(p) for p in self._parameters()})
+            self._params = (self.tree.walks, set(map(id, self.tree.parameters())))
         return self._params[1]
 
     def capture(self) -> None:
         self.kept, self.outside = {}, {}
         self.walking = self._captures < LEARN_STEPS or self._found_outside
         self._captures += 1
-        for p in self._parameters():
-            if p.grad is not None and id(p) not in self.kept:
-                self.kept[id(p)] = (p, self.host.take(id(p), p.grad))
+        params = self.tree.parameters()
+        grads = list(map(_grad, params))
+        if grads.count(None) == len(grads):
+            return  # no gradient at entry (a loop that zeroes them): nothing to keep
+        for p, grad in zip(params, grads):
+            if grad is not None and id(p) not in self.kept:
+                self.kept[id(p)] = (p, self.host.take(id(p), grad))
 
     def reached(self, loss: torch.Tensor) -> None:
         """Before a backward from `loss`: keep the entry gradients of the leaves outside the model it
@@ -363,7 +370,7 @@ class Gradients:
     def restore(self) -> None:
         """Before a replay: the entry gradients come back, on the device."""
         with torch.no_grad():
-            for p in self._parameters():
+            for p in self.tree.parameters():
                 if id(p) not in self.kept:
                     p.grad = None
             for tensor, host in list(self.kept.values()) + list(self.outside.values()):

@@ -3,7 +3,7 @@
 A start state is captured before every global batch; walking `model.modules()` for each of its
 parts (buffers, untrained parameters, attributes, generators) costs hundreds of microseconds per
 step on a transformer, every step, for a tree that does not change while it trains. `ModuleTree`
-keeps the list of modules and walks again when torch registers a module anywhere in the process
+keeps the list of modules (and their parameter and buffer slots) and walks again when torch registers a module anywhere in the process
 (`register_module_module_registration_hook`: `setattr`, `add_module`, `register_module`,
 `ModuleList.append`, `ModuleDict` writes). A module removed from the tree stays in the list until
 the next walk, which only costs a capture of a module nothing uses. A module put into a container
@@ -13,8 +13,15 @@ next walk: `refresh()` forces one.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
+
 import torch
 
+from autofit import torch_internals as ti
+
+_not_none = functools.partial(operator.is_not, None)
 _registrations = [0]  # modules registered anywhere in this process, since the hook was installed
 _hook = None
 
@@ -41,13 +48,30 @@ class ModuleTree:
         self.walks = 0
         self._modules: list = []
         self._seen = None  # the registration count at the last walk
+        self._slots = None
 
     def modules(self) -> list:
         if self._seen != _registrations[0]:
             self._seen = _registrations[0]
             self._modules = list(self.model.modules())
+            self._slots = None
             self.walks += 1
         return self._modules
+
+    def slots(self) -> list[tuple]:
+        """(module, its own parameter slots, its own buffer slots) for every module: the dicts
+        themselves, so a parameter or buffer registered or replaced since is read where it is."""
+        modules = self.modules()
+        if self._slots is None:
+            self._slots = [(m, ti.own_parameters(m), ti.own_buffers(m)) for m in modules]
+        return self._slots
+
+    def parameters(self) -> list:
+        """Every parameter now in the tree's slots (read from the slots at each call: one replaced
+        since the walk is seen), a parameter shared by two modules twice; built without a Python
+        loop over the modules."""
+        dicts = map(operator.itemgetter(1), self.slots())
+        return list(filter(_not_none, itertools.chain.from_iterable(map(dict.values, dicts))))
 
     @property
     def version(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -121,6 +122,11 @@ class Device:
         and from it need no staging)."""
         return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu")
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is host memory the device copies to without the host waiting (pinned:
+        what `host_empty` makes on CUDA)."""
+        return False
+
     def live_tensors(self) -> list[torch.Tensor]:
         """Tensors reachable from Python that hold device memory, largest first (for diagnostics)."""
         return []
@@ -131,6 +137,11 @@ class Device:
 
 class CpuDevice(Device):
     pass
+
+
+# id -> host tensor a simulated device's host_empty made (pinned on a card), for every device
+# object over any simulated GPU: a run's own and a test's see the same
+_SIMULATED_PINNED = weakref.WeakValueDictionary()
 
 
 class SimulatedDevice(Device):
@@ -186,6 +197,16 @@ class SimulatedDevice(Device):
 
     def host(self):
         return self.gpu.untracked()
+
+    def host_empty(self, like):
+        # Host memory as CUDA's would be pinned: marked so, so that a copy into it is counted as
+        # one the host does not wait for (diagnosis/syncs).
+        host = super().host_empty(like)
+        _SIMULATED_PINNED[id(host)] = host
+        return host
+
+    def is_pinned(self, tensor):
+        return _SIMULATED_PINNED.get(id(tensor)) is tensor
 
     def on_device(self, tensor):
         return self.gpu.holds(tensor)
@@ -259,6 +280,9 @@ class CudaDevice(Device):
     def host_empty(self, like):
         return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu",
                                    pin_memory=True)
+
+    def is_pinned(self, tensor):
+        return tensor.device.type == "cpu" and tensor.is_pinned()
 
     def live_tensors(self):
         return _live_python_tensors(lambda t: t.is_cuda)
