@@ -112,8 +112,7 @@ class _Buffers:
 
     def capture(self) -> None:
         saved = []
-        for module in self.tree.modules():
-            own = ti.own_buffers(module)
+        for module, _params, own in self.tree.slots():
             if own:
                 for name, buf in own.items():
                     if buf is not None:
