@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from autofit.gpu.fragmentation import restored
+from autofit.gpu.peaks import restore_peak
 from autofit.gpu.simulate import active_gpu, round_bytes, simulate_gpu
 from autofit.sizes import format_size, parse_size
 
@@ -80,6 +81,25 @@ class Device:
 
     def reset_peak_memory_stats(self) -> None:
         pass
+
+    _peaks = (0, 0)  # (allocated, reserved) maxima of the windows before the last reset
+
+    def run_peaks(self) -> tuple[int, int]:
+        """(allocated, reserved) peaks since the device was opened, through every reset autofit
+        made to measure its own windows (gpu/peaks)."""
+        return max(self._peaks[0], self.max_memory_allocated()), max(self._peaks[1], self.max_memory_reserved())
+
+    def start_run_peaks(self) -> int:
+        """The run's peaks counted from now (the counters reset, the maxima before forgotten);
+        returns the allocated peak read before, to put back at the end (gpu/peaks)."""
+        before = self.max_memory_allocated()
+        self.reset_peak_memory_stats()
+        self._peaks = (0, 0)
+        return before
+
+    def _fold_peaks(self) -> None:
+        """Called by a reset, before it: the window's peaks go into the run's."""
+        self._peaks = self.run_peaks()
 
     def empty_cache(self) -> None:
         pass
@@ -167,6 +187,7 @@ class SimulatedDevice(Device):
         return self.gpu.max_memory_reserved()
 
     def reset_peak_memory_stats(self):
+        self._fold_peaks()
         self.gpu.reset_peak_memory_stats()
 
     def empty_cache(self):
@@ -249,6 +270,7 @@ class CudaDevice(Device):
         return torch.cuda.max_memory_reserved(self.index)
 
     def reset_peak_memory_stats(self):
+        self._fold_peaks()
         torch.cuda.reset_peak_memory_stats(self.index)
 
     def empty_cache(self):
@@ -322,6 +344,16 @@ def describe_tensors(tensors, limit: int = 5) -> str:
 
 
 @contextlib.contextmanager
+def _peak_kept(device):
+    """`device`, whose allocated-peak counter reads the run's maximum again on exit (gpu/peaks)."""
+    before = device.start_run_peaks()
+    try:
+        yield device
+    finally:
+        restore_peak(device, max(before, device.run_peaks()[0]))
+
+
+@contextlib.contextmanager
 def open_device(budget=None):
     """The device a run uses; restores whatever it changed on exit."""
     gpu = active_gpu()
@@ -329,19 +361,20 @@ def open_device(budget=None):
         if budget is not None and parse_size(budget) != gpu.budget:
             raise ValueError(
                 f"budget={budget!r} was given inside simulate_gpu({gpu.budget}); pass one or the other.")
-        yield SimulatedDevice(gpu)
+        with _peak_kept(SimulatedDevice(gpu)) as device:  # the user's simulate_gpu: they read its peak
+            yield device
         return
     if torch.cuda.is_available():
         device = CudaDevice(torch.cuda.current_device(), budget)
         if device.budget is None:
-            with restored(device):
+            with restored(device), _peak_kept(device):
                 yield device
             return
         fraction = min(device.budget / device.total_bytes, 1.0)
         previous = torch.cuda.get_per_process_memory_fraction(device.index)
         torch.cuda.set_per_process_memory_fraction(fraction, device.index)
         try:
-            with restored(device):
+            with restored(device), _peak_kept(device):
                 yield device
         finally:
             torch.cuda.set_per_process_memory_fraction(previous, device.index)

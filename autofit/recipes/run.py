@@ -38,6 +38,11 @@ class RunResult:
     # The LR scheduler stepped (the one given, or built from the factory; None without one): its
     # state_dict() resumes the schedule.
     scheduler: object = None
+    # The run's peaks on the device, in bytes (0 where nothing is counted: the plain CPU): the
+    # largest allocated and reserved through every window autofit measured. The device's own
+    # counter reads the same allocated peak after the run (gpu/peaks).
+    peak_allocated: int = 0
+    peak_reserved: int = 0
 
     @property
     def oom_attempts(self) -> int:
@@ -134,6 +139,7 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
         finally:
             result.attempts = training.attempts
             result.plan = training.plan
+            result.peak_allocated, result.peak_reserved = training.device.run_peaks()
     result.leaks = training.findings
     return result
 
