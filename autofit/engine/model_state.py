@@ -75,13 +75,27 @@ class Untrained:
         self.copies = 0                      # parameters copied so far (tests, overhead benchmark)
         self._warned: set = set()
         self.host = HostCopies(device)
+        self._trained_key = None  # what `_all_trained` last answered True for
+
+    def _all_trained(self) -> bool:
+        """Whether the optimizer trains every parameter of the model; the answer is kept while the
+        parameters, the param_groups' lists and every `requires_grad` are as when it was given."""
+        params = self.tree.parameters()
+        key = (self.tree.parameters_read, tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups),
+               tuple(map(_requires_grad, params)))
+        if key == self._trained_key:
+            return True
+        if set(map(id, params)) <= trained(self.optimizer):
+            self._trained_key = key
+            return True
+        return False
 
     def capture(self) -> None:
+        if not self.saved and self._all_trained():
+            return  # the optimizer trains every parameter: nothing else to keep
         skip = trained(self.optimizer)
         if self.saved and self.learned < LEARN_STEPS:
             self._learn()
-        if not self.saved and set(map(id, self.tree.parameters())) <= skip:
-            return  # the optimizer trains every parameter: nothing else to keep
         learning = self.learned < LEARN_STEPS
         seen = {}
         for module, own, _buffers in self.tree.slots():

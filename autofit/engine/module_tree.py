@@ -5,7 +5,8 @@ parts (buffers, untrained parameters, attributes, generators) costs hundreds of 
 step on a transformer, every step, for a tree that does not change while it trains. `ModuleTree`
 keeps the list of modules (and their parameter and buffer slots) and walks again when torch registers a module anywhere in the process
 (`register_module_module_registration_hook`: `setattr`, `add_module`, `register_module`,
-`ModuleList.append`, `ModuleDict` writes). A module removed from the tree stays in the list until
+`ModuleList.append`, `ModuleDict` writes); its parameter list is read again when a parameter is
+registered (`register_parameter`, a Parameter assigned as an attribute). A module removed from the tree stays in the list until
 the next walk, which only costs a capture of a module nothing uses. A module put into a container
 without registering it (`ModuleList.insert` writes the container's slots directly) is seen at the
 next walk: `refresh()` forces one.
@@ -26,16 +27,24 @@ _registrations = [0]  # modules registered anywhere in this process, since the h
 _hook = None
 
 
+_parameter_registrations = [0]  # parameters registered (or replaced through setattr) anywhere
+
+
 def _registered(module, name, submodule) -> None:
     _registrations[0] += 1
 
 
+def _parameter_registered(module, name, param) -> None:
+    _parameter_registrations[0] += 1
+
+
 def _watch_registrations() -> None:
-    """Count module registrations from now on (one global hook per process; it returns None, so
-    it changes nothing it sees)."""
+    """Count module and parameter registrations from now on (global hooks, once per process; they
+    return None, so they change nothing they see)."""
     global _hook
     if _hook is None:
-        _hook = torch.nn.modules.module.register_module_module_registration_hook(_registered)
+        _hook = (torch.nn.modules.module.register_module_module_registration_hook(_registered),
+                 torch.nn.modules.module.register_module_parameter_registration_hook(_parameter_registered))
 
 
 class ModuleTree:
@@ -49,6 +58,8 @@ class ModuleTree:
         self._modules: list = []
         self._seen = None  # the registration count at the last walk
         self._slots = None
+        self._parameters = None  # ((walk, parameter registrations), the parameters then)
+        self._reads = 0
 
     def modules(self) -> list:
         if self._seen != _registrations[0]:
@@ -67,11 +78,23 @@ class ModuleTree:
         return self._slots
 
     def parameters(self) -> list:
-        """Every parameter now in the tree's slots (read from the slots at each call: one replaced
-        since the walk is seen), a parameter shared by two modules twice; built without a Python
-        loop over the modules."""
-        dicts = map(operator.itemgetter(1), self.slots())
-        return list(filter(_not_none, itertools.chain.from_iterable(map(dict.values, dicts))))
+        """Every parameter in the tree's slots (a parameter shared by two modules twice), read from
+        the slots again after a module or a parameter was registered anywhere (`register_parameter`,
+        a Parameter assigned as an attribute); the same list object until then."""
+        key = (self.version, _parameter_registrations[0])
+        if self._parameters is None or self._parameters[0] != key:
+            dicts = map(operator.itemgetter(1), self.slots())
+            found = list(filter(_not_none, itertools.chain.from_iterable(map(dict.values, dicts))))
+            self._parameters = (key, found)
+            self._reads += 1
+        return self._parameters[1]
+
+    @property
+    def parameters_read(self) -> int:
+        """How many times `parameters()` read the slots: what is derived from its list is stale
+        when this moved."""
+        self.parameters()
+        return self._reads
 
     @property
     def version(self) -> int:
