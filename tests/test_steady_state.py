@@ -197,3 +197,48 @@ def test_a_job_whose_graphs_reach_leaves_outside_the_model_keeps_walking_them():
     controller = controller_run(Blocks, loss_fn, block_batches(lambda t: t))
     assert controller.start.gradients.walks == STEPS * 2
     assert disc.net.weight.grad is not None
+
+
+def halve(plan):
+    return plan.replace(micro_batch_size=plan.micro_batch_size // 2) if plan.micro_batch_size > 1 else None
+
+
+class Late(torch.nn.Module):
+    """Keeps the row counts it sees in a list it creates at its fourth forward, after the captures
+    the start state learns from."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 3)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        if self.forwards == 4:
+            self.seen = []
+        if hasattr(self, "seen"):
+            self.seen.append(len(x))
+        return self.body(x)
+
+
+def test_an_attribute_created_after_the_learning_captures_is_copied_before_a_failure_changes_it():
+    """The module gains an attribute: the next capture walks the attributes again, so the failed
+    attempt's append is undone and the list is what the plain loop leaves."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
+    model = Late()
+    with autofit.simulate_gpu() as gpu:
+        fired = []  # once: the fifth forward, step 4's first attempt (the list exists since step 3)
+
+        def hook(module, args, out):
+            if module.forwards == 5 and not fired:
+                fired.append(True)
+                out.register_hook(lambda grad: gpu.fail_at(gpu.allocation_count))
+        model.register_forward_hook(hook)
+        with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=blocks_loss,
+                             precision="fp32", ladder=halve, cache=False) as step:
+            outs = [step(b) for b in data]
+    # a size this run proved is replayed once before the failure counts: step 4 is whole again
+    assert [(a.outcome, a.plan.micro_batch_size) for a in outs[4].attempts] == [("oom", 8), ("ok", 8)]
+    assert model.seen == [8, 8, 8]  # steps 3, 4 and 5; the failed attempt's append undone

@@ -220,10 +220,12 @@ class Attributes:
     putting the reference back, and numbers, strings and tuples of them cannot change in place.
     What can change in place is copied: a plain tensor (to host memory, started without waiting,
     written back into the same tensor), a list or dict of plain values (a deep copy), a generator's
-    state. Those are found by a walk of every attribute at the first `LEARN_STEPS` captures and
-    again when the module tree changes; one that appears later, and that a failed attempt meets
-    before any capture copied it, is put back by reference (its contents as the attempt left
-    them), said once, and copied from the next capture on."""
+    state. Those are found by a walk of every attribute at the first `LEARN_STEPS` captures, again
+    when the module tree changes and when a module gained or lost an attribute (a list a forward
+    creates at its tenth call). An attribute that held a number or None at the walk and is rebound
+    later to a list, a tensor or a generator, which a failed attempt then changes in place before
+    any capture copied it, is put back by reference (its contents as the attempt left them), said
+    once, and copied from the next capture on."""
 
     def __init__(self, model, device=None, tree: ModuleTree | None = None, *, generators: bool = False):
         self.model, self.device, self.generators = model, device, generators
@@ -234,6 +236,7 @@ class Attributes:
         self.scans = 0                   # walks of every attribute (tests, benchmarks)
         self._captures = 0
         self._scanned_at = None          # the tree's walk the last scan saw
+        self._sizes: list = []           # each module's number of attributes at the last capture
         self._warned: set = set()
         self.host = HostCopies(device) if device is not None else None
 
@@ -252,10 +255,13 @@ class Attributes:
 
     def capture(self) -> None:
         modules = self.tree.modules()
-        if self._captures < LEARN_STEPS or self._scanned_at != self.tree.walks:
+        dicts = list(map(vars, modules))
+        sizes = list(map(len, dicts))  # an attribute set for the first time grows its module's dict
+        if self._captures < LEARN_STEPS or self._scanned_at != self.tree.walks or sizes != self._sizes:
             self._scan(modules)
+        self._sizes = sizes
         self._captures += 1
-        self.saved = list(zip(modules, map(dict.copy, map(vars, modules))))
+        self.saved = list(zip(modules, map(dict.copy, dicts)))
         contents = []
         for module, name in self.watched:
             value = vars(module).get(name)
