@@ -300,14 +300,15 @@ class Attributes:
                 vars(module)[name] = value
 
     def _unseen(self, module, name) -> None:
-        """An attribute whose contents no capture copied (it appeared after the walks): from the
-        next capture on it is copied."""
+        """An attribute whose contents no capture copied (rebound to a list, tensor or generator
+        since the last walk): from the next capture on it is copied."""
         self.watched.append((module, name))
         if (id(module), name) not in self._warned:
             self._warned.add((id(module), name))
-            log.warning("%s.%s appeared after the steps autofit learns from, so its contents were not "
-                        "copied for this replay (it is put back as the failed attempt left it); it is "
-                        "copied from the next step on.", type(module).__name__, name)
+            log.warning("%s.%s was rebound to a %s after autofit last walked the module's attributes, so "
+                        "its contents were not copied for this replay (it is put back as the failed "
+                        "attempt left it); it is copied from the next step on.", type(module).__name__,
+                        name, type(vars(module).get(name)).__name__)
 
 
 def leaves(loss: torch.Tensor) -> list[torch.Tensor]:
