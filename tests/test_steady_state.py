@@ -242,3 +242,43 @@ def test_an_attribute_created_after_the_learning_captures_is_copied_before_a_fai
     # a size this run proved is replayed once before the failure counts: step 4 is whole again
     assert [(a.outcome, a.plan.micro_batch_size) for a in outs[4].attempts] == [("oom", 8), ("ok", 8)]
     assert model.seen == [8, 8, 8]  # steps 3, 4 and 5; the failed attempt's append undone
+
+
+class Rebound(Late):
+    """As Late, but the list's name exists from the start (None): no attribute is gained."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def forward(self, x):
+        self.forwards += 1
+        if self.forwards == 4:
+            self.seen = []
+        if self.seen is not None:
+            self.seen.append(len(x))
+        return self.body(x)
+
+
+def test_an_attribute_rebound_to_a_list_after_the_last_walk_is_said_and_copied_from_then_on(caplog):
+    """What the walks cannot see without looking at every value: a name that held None at the last
+    walk, rebound to a list that the failed attempt appends to. It is put back by reference (the
+    append stays), autofit says so, and the list is copied from the next capture on."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(7)]
+    model = Rebound()
+    fired = []
+    with autofit.simulate_gpu() as gpu:
+        def hook(module, args, out):
+            if module.forwards in (5, 7) and len(fired) < (1 if module.forwards == 5 else 2):
+                fired.append(module.forwards)
+                out.register_hook(lambda grad: gpu.fail_at(gpu.allocation_count))
+        model.register_forward_hook(hook)
+        with caplog.at_level("WARNING", logger="autofit"):
+            with autofit.stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=blocks_loss,
+                                 precision="fp32", ladder=halve, cache=False) as step:
+                outs = [step(b) for b in data]
+    assert fired == [5, 7] and [len(o.attempts) for o in outs] == [1, 1, 1, 1, 2, 1, 2]
+    assert model.seen == [8] * 5  # steps 3-6 once each, and step 4's failed append (step 6's is undone)
+    said = [r.getMessage() for r in caplog.records if "was rebound to a list" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("Rebound.seen was rebound to a list")
