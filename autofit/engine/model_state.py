@@ -243,7 +243,7 @@ class Attributes:
     def _kind(self, value) -> str | None:
         if type(value) is torch.Tensor:  # not a Parameter: those are registered
             return TENSOR
-        if type(value) is torch.Generator:  # isinstance: ~1 us a value
+        if type(value) is torch.Generator:
             return GENERATOR if self.generators else None
         return CONTENTS if not immutable(value) and _plain(value) else None
 

@@ -1,15 +1,16 @@
 """A model's modules, walked once and walked again only when the tree changes.
 
 A start state is captured before every global batch; walking `model.modules()` for each of its
-parts (buffers, untrained parameters, attributes, generators) costs hundreds of microseconds per
-step on a transformer, every step, for a tree that does not change while it trains. `ModuleTree`
-keeps the list of modules (and their parameter and buffer slots) and walks again when torch registers a module anywhere in the process
-(`register_module_module_registration_hook`: `setattr`, `add_module`, `register_module`,
-`ModuleList.append`, `ModuleDict` writes); its parameter list is read again when a parameter is
-registered (`register_parameter`, a Parameter assigned as an attribute). A module removed from the tree stays in the list until
+parts (buffers, untrained parameters, attributes, generators) at every step would cost every step
+the same work for a tree that does not change while it trains. `ModuleTree` keeps the list of
+modules (and their parameter and buffer slots) and walks again when torch registers a module
+anywhere in the process (`register_module_module_registration_hook`: `setattr`, `add_module`,
+`register_module`, `ModuleList.append`, `ModuleDict` writes); its parameter list is read again
+when a parameter is registered (`register_parameter`, a Parameter assigned as an attribute), the
+modules holding buffers when a buffer is. A module removed from the tree stays in the list until
 the next walk, which only costs a capture of a module nothing uses. A module put into a container
 without registering it (`ModuleList.insert` writes the container's slots directly) is seen at the
-next walk: `refresh()` forces one.
+next registration anywhere, or after `refresh()`.
 """
 
 from __future__ import annotations
@@ -38,13 +39,22 @@ def _parameter_registered(module, name, param) -> None:
     _parameter_registrations[0] += 1
 
 
+_buffer_registrations = [0]  # buffers registered (or replaced through setattr) anywhere
+
+
+def _buffer_registered(module, name, buffer) -> None:
+    _buffer_registrations[0] += 1
+
+
 def _watch_registrations() -> None:
     """Count module and parameter registrations from now on (global hooks, once per process; they
     return None, so they change nothing they see)."""
     global _hook
     if _hook is None:
-        _hook = (torch.nn.modules.module.register_module_module_registration_hook(_registered),
-                 torch.nn.modules.module.register_module_parameter_registration_hook(_parameter_registered))
+        hooks = torch.nn.modules.module
+        _hook = (hooks.register_module_module_registration_hook(_registered),
+                 hooks.register_module_parameter_registration_hook(_parameter_registered),
+                 hooks.register_module_buffer_registration_hook(_buffer_registered))
 
 
 class ModuleTree:
@@ -60,6 +70,7 @@ class ModuleTree:
         self._slots = None
         self._parameters = None  # ((walk, parameter registrations), the parameters then)
         self._reads = 0
+        self._buffer_slots = None  # ((walk, buffer registrations), modules holding a buffer then)
 
     def modules(self) -> list:
         if self._seen != _registrations[0]:
@@ -76,6 +87,14 @@ class ModuleTree:
         if self._slots is None:
             self._slots = [(m, ti.own_parameters(m), ti.own_buffers(m)) for m in modules]
         return self._slots
+
+    def buffer_slots(self) -> list[tuple]:
+        """(module, its own buffer slots) for the modules that hold a buffer, found again after a
+        module or a buffer was registered anywhere (`register_buffer`, a buffer assigned)."""
+        key = (self.version, _buffer_registrations[0])
+        if self._buffer_slots is None or self._buffer_slots[0] != key:
+            self._buffer_slots = (key, [(m, own) for m, _params, own in self.slots() if own])
+        return self._buffer_slots[1]
 
     def parameters(self) -> list:
         """Every parameter in the tree's slots (a parameter shared by two modules twice), read from

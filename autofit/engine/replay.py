@@ -112,11 +112,10 @@ class _Buffers:
 
     def capture(self) -> None:
         saved = []
-        for module, _params, own in self.tree.slots():
-            if own:
-                for name, buf in own.items():
-                    if buf is not None:
-                        saved.append((module, name, buf, self.host.take((id(module), name), buf)))
+        for module, own in self.tree.buffer_slots():
+            for name, buf in own.items():
+                if buf is not None:
+                    saved.append((module, name, buf, self.host.take((id(module), name), buf)))
         self.host.keep_only({(id(m), n) for m, n, _b, _h in saved})
         self.saved = saved
 
