@@ -29,6 +29,16 @@ Table 4: the cost per op, which step timings on a busy machine blur: microsecond
 per op (best of 7 rounds of 3000 ops) for an op that makes a tensor (`x + y`, 64x64) and a view
 (`z.view(-1)`), with no mode, under the no-op dispatch mode, and under `simulate_gpu()`.
 
+Table 5: the steady state against the plain loop on BERT-base's layout (12 layers, 231 modules,
+201 parameters), narrow (hidden 24) so that the CPU time per step is mostly the framework's, not
+the matmuls': autofit.run's extra CPU time per step (the median over interleaved rounds of the
+per-round difference of median step times) and the host-device synchronisations of a steady step
+(autofit.diagnosis.syncs.SyncCounter, one step after the start state has learned the job), on the
+plain CPU and on a simulated GPU with an ample budget (where the leak watch and the atomic step's
+free-memory check run, as on a card). On a CUDA machine the same table is measured on the card with
+BERT-base at full width (32 x 128, fp32 and bf16) and reports the per-step wall-time ratio.
+`--layout-only` prints this table alone.
+
 torch.set_num_threads(1) throughout, for stable timings on a shared machine.
 """
 
@@ -38,11 +48,12 @@ import argparse
 import contextlib
 import io
 import os
+import statistics
 import tempfile
 import time
 
 from common import (StepClock, adamw, bert, cls_batches, max_abs_diff, median, plain_step,
-                    print_environment, setup, table)
+                    print_environment, setup, simulated_copy, table)
 
 import autofit  # noqa: E402  (common put the checkout on sys.path)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -136,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="measured steps per repeat")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, per repeat")
     parser.add_argument("--replay-only", action="store_true", help="print table 3 alone")
+    parser.add_argument("--layout-only", action="store_true", help="print table 5 alone")
     args = parser.parse_args(argv)
     setup()
     with tempfile.TemporaryDirectory(prefix="autofit-bench-") as cache:
@@ -238,8 +250,142 @@ def per_op_cost(rounds: int = 7, n: int = 3000) -> list[list]:
     return [[name, a, b, a - base[0], b - base[1]] for name, (a, b) in cost.items()]
 
 
+def bert_layout(width: int):
+    """BERT-base's layout (12 layers; BertForSequenceClassification: 231 modules, 201 parameters) at
+    `width` (768 is BERT-base; 24, with 12 heads of 2, leaves the CPU time to the framework)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    import torch
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=width, num_hidden_layers=12, num_attention_heads=12,
+                        intermediate_size=4 * width if width >= 768 else 2 * width, vocab_size=VOCAB,
+                        max_position_embeddings=512, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+class Layout:
+    """One configuration of table 5: the model's width, the batches, the device and the precision."""
+
+    def __init__(self, width, rows, seq, device, precision="fp32", budget=None):
+        self.width, self.rows, self.seq = width, rows, seq
+        self.device, self.precision, self.budget = device, precision, budget
+
+    def model(self):
+        model = bert_layout(self.width)
+        return model.to(self.device) if self.device == "cuda" else model
+
+
+def _plain_layout(layout, batches, counter=None):
+    """The plain loop on `layout` (on a simulated GPU when it has a budget); `counter(opt)`: a
+    SyncCounter to enter around the steady step COUNTED_STEP, or None."""
+    import torch
+    model = layout.model()
+    model.train()
+    clock = StepClock()
+    opt = clock.attach(adamw(model.parameters()))
+    gpu = autofit.simulate_gpu(layout.budget) if layout.budget else contextlib.nullcontext()
+    dtype = torch.bfloat16 if layout.precision == "bf16" else None
+    counted = None
+    with gpu as sim:
+        if sim is not None:
+            sim.track(list(model.parameters()) + list(model.buffers()))
+        to_device = (lambda x: {k: v.to("cuda", non_blocking=True) for k, v in x.items()}) \
+            if layout.device == "cuda" else (simulated_copy if sim is not None else None)
+        for i, b in enumerate(batches):
+            if counter is not None and i == COUNTED_STEP:
+                counted = counter(opt, sim)
+            with counted if i == COUNTED_STEP and counted is not None else contextlib.nullcontext(), \
+                    torch.autocast(layout.device, dtype=dtype, enabled=dtype is not None):
+                plain_step(model, opt, b, to_device=to_device)
+    return clock, counted
+
+
+def _autofit_layout(layout, batches, counter=None):
+    model = layout.model()
+    clock = StepClock()
+    made = []
+    gpu = autofit.simulate_gpu(layout.budget) if layout.budget else contextlib.nullcontext()
+    state = {}
+
+    def data():
+        for i, b in enumerate(batches):
+            if counter is not None and i == COUNTED_STEP:
+                state["watch"] = counter(made[0], state["gpu"])
+                state["watch"].__enter__()
+            yield b
+            if "watch" in state and i == COUNTED_STEP:
+                state["watch"].__exit__(None, None, None)
+    with gpu as sim:
+        state["gpu"] = sim
+        result = autofit.run(model, data(), optimizer=lambda p: made.append(clock.attach(adamw(p))) or made[0],
+                             progress=False, precision=layout.precision)
+    assert result.oom_attempts == 0 and result.plan.accumulation_steps == 1, result.plan
+    return clock, state.get("watch")
+
+
+COUNTED_STEP = 4  # a steady step: after the captures the start state learns from
+
+
+def _sync_counter(layout):
+    """counter(optimizer, simulated gpu) -> a SyncCounter for the device the step runs on."""
+    from autofit.diagnosis.syncs import SyncCounter
+    from autofit.gpu.device import CpuDevice, CudaDevice, SimulatedDevice
+
+    def counter(opt, sim):
+        if layout.device == "cuda":
+            device = CudaDevice(0)
+        else:
+            device = SimulatedDevice(sim) if sim is not None else CpuDevice()
+        steps = [s["step"] for s in opt.state.values() if "step" in s]  # host values on a card
+        return SyncCounter(device, steps)
+    return counter
+
+
+def layout_rows(layout, batches, warmup: int, repeats: int) -> list:
+    """[extra CPU us per step (median of the rounds' differences), their quartiles, plain CPU ms,
+    autofit CPU ms, wall ratio, plain syncs, autofit syncs]."""
+    cpu, wall = {"plain": [], "autofit": []}, {"plain": [], "autofit": []}
+    for r in range(repeats):
+        order = [("plain", _plain_layout), ("autofit", _autofit_layout)]
+        for name, method in (order if r % 2 == 0 else order[::-1]):
+            clock, _ = method(layout, batches)
+            cpu[name].append(median(clock.intervals(skip=warmup, cpu=True)))
+            wall[name].append(median(clock.intervals(skip=warmup)))
+    counter = _sync_counter(layout)
+    syncs = [method(layout, batches[:COUNTED_STEP + 2], counter)[1].total
+             for method in (_plain_layout, _autofit_layout)]
+    extras = [a - p for a, p in zip(cpu["autofit"], cpu["plain"])]
+    q1, _, q3 = statistics.quantiles(extras, n=4) if len(extras) > 1 else (extras[0],) * 3
+    ratio = median([a / p for a, p in zip(wall["autofit"], wall["plain"])])
+    return [median(extras) * 1e6, f"{q1 * 1e6:.0f} .. {q3 * 1e6:.0f}", median(cpu["plain"]) * 1e3,
+            median(cpu["autofit"]) * 1e3, ratio, *syncs]
+
+
+def print_layout_table(args) -> None:
+    import torch
+    if torch.cuda.is_available():
+        layouts = {"BERT-base, card, fp32": Layout(768, 32, 128, "cuda"),
+                   "BERT-base, card, bf16": Layout(768, 32, 128, "cuda", "bf16")}
+        rows, seq = 32, 128
+    else:
+        layouts = {"plain CPU (no budget)": Layout(24, 4, 16, "cpu"),
+                   "simulated GPU (8 GiB budget)": Layout(24, 4, 16, "cpu", budget="8GiB")}
+        rows, seq = 4, 16
+    batches = cls_batches(args.warmup + args.steps + 1, rows=rows, seq=seq, vocab=VOCAB)
+    n_params = sum(p.numel() for p in bert_layout(24).parameters())
+    print(f"Table 5. steady state vs the plain loop, BERT-base layout (12 layers, 231 modules, 201 "
+          f"parameters; narrow: hidden 24, {n_params / 1e3:.0f} k parameters on CPU), {rows} x {seq}, "
+          f"AdamW; {args.repeats} interleaved rounds of {args.warmup + 1} warm-up + {args.steps} steps")
+    out = [[name, *layout_rows(layout, batches, args.warmup + 1, args.repeats)] for name, layout in layouts.items()]
+    print(table(["device", "extra CPU us/step", "its quartiles", "plain CPU ms/step", "autofit CPU ms/step",
+                 "ratio (wall)", "syncs/step plain", "syncs/step autofit"], out))
+
+
 def measure_and_print(args) -> int:
     print_environment("autofit overhead benchmark")
+    if args.layout_only:
+        print_layout_table(args)
+        return 0
     batches = cls_batches(args.warmup + args.steps + 1, rows=BATCH, seq=SEQ, vocab=VOCAB)
     if args.replay_only:
         print_replay_cost(batches, args.repeats)
@@ -306,6 +452,8 @@ def measure_and_print(args) -> int:
     print("Table 4. cost per op (us of process time, best of 7 rounds of 3000 ops)")
     print(table(["context", "x + y (new tensor)", "z.view(-1)", "added: new tensor", "added: view"],
                 per_op_cost()))
+    print()
+    print_layout_table(args)
     print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
     return 0
 

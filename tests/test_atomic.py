@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofit
 from autofit.engine.atomic import AtomicStep, PartialUpdateError
-from autofit.gpu.device import SimulatedDevice
+from autofit.engine.step import StepRunner
+from autofit.gpu.device import CpuDevice, SimulatedDevice
 from autofit.engine.offload import Offload, to_device
 
 
@@ -304,6 +305,24 @@ def test_ctrl_c_inside_a_step_without_a_snapshot_is_held_until_the_update_is_who
             assert atomic.snapshots == 0
             assert _in_order(model, optimizer) == after, index
     assert signal.getsignal(signal.SIGINT) is handler  # the handler before is back
+
+
+def test_the_sigint_handler_is_installed_once_per_run_and_the_one_before_is_back_at_its_end():
+    """Every unguarded step holds Ctrl-C, but the handler is installed at the first one only (a
+    system call per step would be paid by steps that never fail); closing the runner puts the
+    handler from before back."""
+    handler = signal.getsignal(signal.SIGINT)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    runner = StepRunner(model, torch.optim.AdamW(model.parameters()), CpuDevice(),
+                        loss_fn=lambda m, b: m(b).square().mean())
+    plan = autofit.Plan(micro_batch_size=4, accumulation_steps=1)
+    for _ in range(3):
+        runner.run(torch.randn(4, 4), plan)
+        assert signal.getsignal(signal.SIGINT) is not handler  # held between steps too: installed
+    runner.close()
+    assert (runner.atomic.snapshots, runner.atomic.sigint.installs) == (0, 1)
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def _in_order(model, optimizer):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import autofit.engine.attempt as attempt_module
-from autofit.engine.attempt import Attempter, next_down, until_fits
+from autofit.engine import attempt as attempt_module
+from autofit.engine.attempt import Attempter, Outcome, next_down, until_fits
 from autofit.errors import DoesNotFit, MemoryNotReleased
 from autofit.gpu.device import SimulatedDevice
 from autofit.gpu.simulate import simulate_gpu
@@ -94,6 +95,27 @@ def test_the_walk_ends_when_nothing_is_left_or_after_max_attempts(device):
     tries.clear()
     last = until_fits(once, lambda outcome: True, max_attempts=5)
     assert tries == [0, 1, 2, 3, 4] and last.ok is False
+
+
+def test_tenacity_is_entered_only_after_a_first_failure(monkeypatch):
+    """A global batch that fits costs one call: the retry loop is built and entered only once an
+    attempt has failed; the attempts and their count are the same either way."""
+    entered = []
+    made = attempt_module._retrying
+
+    def counted(max_attempts):
+        entered.append(max_attempts)
+        return made(max_attempts)
+    monkeypatch.setattr(attempt_module, "_retrying", counted)
+    results = iter([Outcome(False), Outcome(False), Outcome(True, value=3)])
+    seen = []
+    assert until_fits(lambda: Outcome(True, value=1), seen.append).value == 1
+    assert entered == [] and seen == []
+    last = until_fits(lambda: next(results), lambda outcome: seen.append(outcome) or True, max_attempts=5)
+    assert (last.ok, last.value, len(seen), entered) == (True, 3, 2, [4])
+    results = iter([Outcome(False), Outcome(False)])
+    assert until_fits(lambda: next(results), lambda outcome: True, max_attempts=2).ok is False
+    assert entered == [4, 1]
 
 
 def test_only_oom_is_caught_and_nothing_is_released_for_other_errors(device, monkeypatch):

@@ -108,6 +108,27 @@ def test_loss_item_appended_is_no_leak_and_costs_no_search():
     assert (findings, scans, lefts) == ([], 0, [0] * STEPS)
 
 
+def test_steady_steps_walk_training_state_once_and_growth_walks_it_at_every_step():
+    """What training holds is summed by walking its tensors; a steady step (the same bytes
+    allocated as after the last walk) walks nothing, a step after which memory moved walks again."""
+    walks = {}
+    for name, loss_fn in (("steady", lambda model, batch: model(**batch).loss), ("growing", keep_the_loss)):
+        LOSSES.clear()
+        model, data = tiny(), batches()
+        with autofit.simulate_gpu() as gpu:
+            device = SimulatedDevice(gpu)
+            device.place_model(model)
+            runner = StepRunner(model, torch.optim.AdamW(model.parameters()), device, loss_fn=loss_fn)
+            watch = LeakWatch(runner, quiet=True)
+            for step, batch in enumerate(data):
+                runner.run(batch, PLAN)
+                watch.after_step(step, PLAN, batch)
+                watch.leftover()  # read again at the same allocated bytes: no walk
+            walks[name] = watch.walks
+        LOSSES.clear()
+    assert walks == {"steady": 1, "growing": STEPS}
+
+
 def test_the_watch_keeps_no_reference_to_what_it_found():
     LOSSES.clear()
     model, data = tiny(), batches()

@@ -20,7 +20,8 @@ Those references are the leaks people hit in the field (see shared/seeds/), each
 allocated bytes minus what training legitimately holds there (parameters, buffers, gradients,
 optimizer state, and the current batch when it lives on the device). In a clean run that number is
 the same after every step (exactly 0 on the simulated GPU), so watching it costs a few sums per
-step. The Python heap is searched (`gc`) only when something needs naming: once after the first
+step; the tensors training holds are walked again only when the allocated bytes moved since the
+last walk or the plan changed (a steady step walks none: `walks` counts them). The Python heap is searched (`gc`) only when something needs naming: once after the first
 step when that number is not zero (on CUDA: once, always), and when it has grown `steps` times in a
 row under the same plan (then again after twice as many, so a long leak costs few searches).
 Findings are plain dicts ``{"kind", "culprit", "bytes", "fix"}`` (`LeakWatch.findings`; the kinds,
@@ -83,6 +84,8 @@ class LeakWatch:
         self._need = steps
         self._snapshot: dict | None = None
         self.scans = 0  # how many times the Python heap was searched (tests, benchmarks)
+        self.walks = 0  # how many times training's own tensors were walked to sum their bytes
+        self._legit_at: tuple | None = None  # (allocated bytes, legitimate bytes) of the last walk
 
     @property
     def findings(self) -> list[dict]:
@@ -113,6 +116,7 @@ class LeakWatch:
                 for t in everything:
                     self._data_storages[_key(t)] = weakref.ref(t.untyped_storage())
                 self._data_bytes = storage_bytes(everything)
+                self._legit_at = None
                 if len(data) > 1:
                     nbytes = storage_bytes(everything)
                     culprit += (f"; the data holds {len(data)} batches on the device, "
@@ -129,11 +133,9 @@ class LeakWatch:
     def leftover(self, batch=None, allocated: int | None = None) -> int:
         """Device bytes beyond parameters, buffers, gradients, optimizer state, the grad scaler, the
         data's own batches (when they live on the device) and `batch`."""
-        held = by_kind(self.device, self.runner.model, self.runner.optimizer)
         if allocated is None:
             allocated = self.device.memory_allocated()
-        legit = held["params"] + held["grads"] + held["optimizer"] + self._data_bytes
-        legit += storage_bytes(self._runner_held(), on_device=self.on_device)
+        legit = self._legitimate(allocated)
         extra = {}
         scaler = getattr(self.runner, "scaler", None)  # fp16 plans: the grad scaler's two scalars
         tensors = [v for v in vars(scaler).values() if isinstance(v, torch.Tensor)] if scaler else []
@@ -144,6 +146,19 @@ class LeakWatch:
             if self.on_device(t) and k not in self._data_storages:
                 extra[k] = _nbytes(t)
         return max(allocated - legit - sum(extra.values()), 0)
+
+    def _legitimate(self, allocated: int) -> int:
+        """Bytes of the parameters, buffers, gradients, optimizer state, the data's own batches and
+        what the runner holds; walked again only when `allocated` moved since the last walk (those
+        tensors change with the plan, not from one steady step to the next)."""
+        if self._legit_at is not None and self._legit_at[0] == allocated:
+            return self._legit_at[1]
+        self.walks += 1
+        held = by_kind(self.device, self.runner.model, self.runner.optimizer)
+        legit = held["params"] + held["grads"] + held["optimizer"] + self._data_bytes
+        legit += storage_bytes(self._runner_held(), on_device=self.on_device)
+        self._legit_at = (allocated, legit)
+        return legit
 
     def after_step(self, step: int, plan, batch=None, allocated: int | None = None) -> list[dict]:
         """Call after a successful global step; returns the findings new or grown at this step."""
@@ -156,6 +171,8 @@ class LeakWatch:
             return []
 
     def _after_step(self, step, plan, batch, allocated) -> list[dict]:
+        if plan != self._plan:
+            self._legit_at = None  # a new plan may hold its state elsewhere (offload)
         left = self.leftover(batch, allocated)
         new = []
         if not self._first_scan_done:

@@ -22,6 +22,8 @@ shards: each rank saves and restores its own shard, and no copy communicates.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from autofit.engine import interrupts, optimizer_state
@@ -78,6 +80,12 @@ class AtomicStep:
         self.outer_peak = 0   # the device peak just before the last step (its counter is reset)
         self.failed_at = None  # bytes allocated when the last step ran out of memory
         self._spare = None     # the last state-only snapshot's copies, reused by the next one
+        self.sigint = interrupts.SigintHold()  # installed at the first unguarded step, until close()
+        weakref.finalize(self, self.sigint.uninstall)  # an AtomicStep dropped without close()
+
+    def close(self) -> None:
+        """The SIGINT handler from before the first step back (the run is over)."""
+        self.sigint.uninstall()
 
     def at_risk(self, key) -> bool:
         if self.device.fault_armed:
@@ -103,14 +111,17 @@ class AtomicStep:
         self.device.reset_peak_memory_stats()
         failure = None
         # Without a snapshot nothing can undo a half-applied update: Ctrl-C waits for its end.
-        sigint = interrupts.SigintHold() if snapshot is None else None
+        sigint = self.sigint if snapshot is None else None
         try:
             if sigint is None:
                 step_fn()
             else:
-                with sigint:
-                    sigint.hold()
+                sigint.install()  # once per run: in place from then on
+                sigint.hold()
+                try:
                     step_fn()
+                finally:
+                    sigint.release()
         except BaseException as error:
             if not is_oom(error):
                 if snapshot is not None:  # an interrupt or another error: propagates, rolled back

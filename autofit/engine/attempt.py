@@ -235,8 +235,14 @@ def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
     """Attempt with `once() -> Outcome` until one fits. After each out-of-memory outcome,
     `after_oom(outcome)` records it and sets up the next attempt (a step down), returning False
     when there is nothing left to try. Returns the last outcome: the one that fitted, or the
-    failure that ended the walk (also after `max_attempts`). Other errors propagate."""
-    return _retrying(max_attempts)(_attempt, {"left": True}, once, after_oom)
+    failure that ended the walk (also after `max_attempts`). Other errors propagate.
+    The first attempt runs plainly: tenacity's loop is entered only after a failure, so a global
+    batch that fits costs one call."""
+    outcome = once()
+    if outcome.ok or not after_oom(outcome) or max_attempts == 1:
+        return outcome
+    rest = None if max_attempts is None else max_attempts - 1
+    return _retrying(rest)(_attempt, {"left": True}, once, after_oom)
 
 
 def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", not_applicable=None, failed=None,

@@ -26,7 +26,6 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autofit import torch_internals as ti
 from autofit.engine.model_state import module_generators
 from autofit.engine.replay import python_rng_state, set_python_rng_state
 from autofit.integrations import transformers_internals as hf_internals
@@ -91,15 +90,16 @@ class _Recompute:
     tracked statistics), spectral norm's power-iteration vectors, a counter buffer, and it may draw
     from generators torch's checkpoint does not fork (a generator the block holds, Python's
     `random`, numpy's; torch's own are forked by the checkpoint). Before the recompute the buffers
-    the forward changed and those generators are set to what the forward found, so it computes the
-    same activations (a spectral norm recomputed from the vectors it already moved would give another
-    weight, hence wrong gradients); after it, they are put back to what they were when the recompute
-    began (as torch forks its own generators): the state moves once per forward, as in a plain loop.
+    (every one: which changed is not read on the host) and those generators are set to what the
+    forward found, so it computes the same activations (a spectral norm recomputed from the vectors
+    it already moved would give another weight, hence wrong gradients); after it, they are put back
+    to what they were when the recompute began (as torch forks its own generators): the state moves
+    once per forward, as in a plain loop.
     """
 
     def __init__(self, block):
         self.block = block
-        self.changed: list = []  # (buffer, as the forward found it)
+        self.found: list = []  # (buffer, a copy on the device of it as the forward found it)
 
     def forward_context(self):
         return self._forward()
@@ -109,21 +109,21 @@ class _Recompute:
 
     @contextlib.contextmanager
     def _forward(self):
-        with torch.no_grad():
-            found = [(b, b.clone(), ti.version(b)) for b in _buffers(self.block)]
+        with torch.no_grad():  # copies on the device: the host waits for nothing
+            self.found = [(b, b.clone()) for b in _buffers(self.block)]
         self.generators = module_generators(self.block)
         self.found_rng = _rng(self.generators)
         yield
-        with torch.no_grad():
-            self.changed = [(b, before) for b, before, version in found
-                            if ti.version(b) != version or (not _fake(b) and not torch.equal(b, before))]
 
     @contextlib.contextmanager
     def _recompute(self):
+        # Every buffer goes back to what the forward found, not only those it changed: telling
+        # which changed would read them on the host (native kernels write without moving
+        # `_version`), a wait for the device per buffer in the middle of the forward.
         now_rng = _rng(self.generators)
         with torch.no_grad():
-            now = [(b, b.clone()) for b, _ in self.changed]
-            for b, before in self.changed:
+            now = [(b, b.clone()) for b, _ in self.found]
+            for b, before in self.found:
                 b.copy_(before)
         _set_rng(self.generators, self.found_rng)
         try:
@@ -132,17 +132,12 @@ class _Recompute:
             _set_rng(self.generators, now_rng)
             with torch.no_grad():
                 for b, value in now:
-                    # Only where the recompute did not write the same again: a buffer the
-                    # recompute saved for its backward must not be written after it.
-                    if _fake(b) or not torch.equal(b, value):
-                        b.copy_(value)
-            self.changed = []
-
-
-def _fake(tensor) -> bool:
-    """A tensor with shapes and no values (the estimator's): its values cannot be compared, and
-    writing them costs no memory, so a buffer the forward wrote is always put back."""
-    return getattr(tensor, "fake_mode", None) is not None
+                    # Written through `.data`, whose writes do not move `_version`: where the
+                    # recompute wrote the same again (it starts from the same state), a buffer
+                    # it saved for its backward is left as it saved it; elsewhere it is put back
+                    # to what it was when the recompute began.
+                    b.data.copy_(value)
+            self.found = []
 
 
 def _buffers(block) -> list:

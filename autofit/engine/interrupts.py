@@ -5,6 +5,8 @@ optimizer step that runs without a snapshot (a step known to fit), or while an o
 written back to the device, that leaves the parameters and the state half-way: some updated, some
 not. While `SigintHold` holds, SIGINT is only recorded; `deliver()` hands it afterwards to the
 handler that was there before (Python's default raises KeyboardInterrupt), once the update is whole.
+A run installs the handler once (`install`, `uninstall` at its end) and each step only holds and
+releases: a system call per step would be paid by every step that does not fail.
 
 Only SIGINT is held, and only in the main thread (Python delivers signals there alone; elsewhere
 nothing asynchronous interrupts the step). A second Ctrl-C while one is held is recorded too, not
@@ -27,13 +29,41 @@ class SigintHold:
         self.caught = False
         self._previous = None
         self._installed = False
+        self._bound = self._handler  # the object installed, to recognise it as still in place
+        self.installs = 0  # handlers installed so far (tests: once per run, not per step)
+
+    def install(self) -> None:
+        """Install the recording handler and leave it in place (a run installs it once; each step
+        then only holds and releases): nothing is done when it is still the handler in place.
+        One installed since by someone else is kept as the handler to hand SIGINT to."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self._installed and signal.getsignal(signal.SIGINT) is self._bound:
+            return
+        self._previous = signal.getsignal(signal.SIGINT)
+        self._installed = True  # before: a Ctrl-C right after the install finds it set
+        self.installs += 1
+        signal.signal(signal.SIGINT, self._bound)
+
+    def release(self) -> None:
+        """Stop holding (the handler stays installed): a Ctrl-C from now on acts at once."""
+        self.holding = False
+
+    def uninstall(self) -> None:
+        """The handler before `install` back, unless another has replaced ours since."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # (a finalizer run by another thread: signals are the main thread's)
+        if self._installed and signal.getsignal(signal.SIGINT) is not self._bound:
+            self._installed = False  # someone else's handler is in place: theirs stays
+            return
+        self._uninstall()
 
     def __enter__(self) -> "SigintHold":
         self.holding, self.caught = False, False
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.getsignal(signal.SIGINT)
             self._installed = True  # before: a Ctrl-C right after the install finds it set
-            signal.signal(signal.SIGINT, self._handler)
+            signal.signal(signal.SIGINT, self._bound)
         return self
 
     def hold(self) -> None:
@@ -61,6 +91,7 @@ class SigintHold:
         """Raise the SIGINT held (if any) as the handler before the block would have."""
         if self.caught:
             self.caught = False
+            self._uninstall()  # the interrupt ends the run: the handler before is in place for it
             _call(self._previous, signal.SIGINT, None)
 
 

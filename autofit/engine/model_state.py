@@ -15,21 +15,25 @@ that the loss reached (a discriminator's parameters). A piece per kind of state:
   walk over its parameters per step, no copy.
 - `Generators`: the state of every `torch.Generator` held as a module attribute.
 - `Attributes`: a module's own public attributes that a forward may write (a plain tensor, a
-  counter, a dict of numbers).
+  counter, a dict of numbers), by reference where nothing can change them in place.
 - `Gradients`: host copies of the gradients present at entry, the model's and, found by walking the
-  first micro-batch's autograd graph at every attempt, those of leaves outside the model; after a
-  failure the failed backward's gradients are dropped and the entry ones put back.
+  micro-batches' autograd graphs (at the first steps, and at every step of a job whose graphs reach
+  such leaves), those of leaves outside the model; after a failure the failed backward's gradients
+  are dropped and the entry ones put back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import itertools
 import logging
+import operator
 
 import torch
 
 from autofit import torch_internals as ti
+from autofit.engine.host_copies import HostCopies
+from autofit.engine.module_tree import ModuleTree
 
 log = logging.getLogger("autofit")
 
@@ -48,31 +52,54 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return _local(tensor.detach()).to("cpu", copy=True)
 
 
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
+
+
 def trained(optimizer) -> set:
     """ids of the parameters the optimizer updates: in its param_groups and requiring grad."""
-    return {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    params = list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    return set(map(id, itertools.compress(params, map(_requires_grad, params))))
 
 
 class Untrained:
     """Host copies of the parameters the optimizer does not train that a step writes (see the module
     docstring for how they are learned)."""
 
-    def __init__(self, model, optimizer, device):
+    def __init__(self, model, optimizer, device, tree: ModuleTree | None = None):
         self.model, self.optimizer, self.device = model, optimizer, device
+        self.tree = tree if tree is not None else ModuleTree(model)
         self.saved: dict[tuple, list] = {}  # (module id, name) -> [module, name, param, copy|None, version]
         self.written: set = set()            # keys a step writes (learned)
         self.learned = 0                     # steps learned from so far (all are copied until LEARN_STEPS)
         self.copies = 0                      # parameters copied so far (tests, overhead benchmark)
         self._warned: set = set()
+        self.host = HostCopies(device)
+        self._trained_key = None  # what `_all_trained` last answered True for
+
+    def _all_trained(self) -> bool:
+        """Whether the optimizer trains every parameter of the model; the answer is kept while the
+        parameters, the param_groups' lists and every `requires_grad` are as when it was given."""
+        params = self.tree.parameters()
+        key = (self.tree.parameters_read, tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups),
+               tuple(map(_requires_grad, params)))
+        if key == self._trained_key:
+            return True
+        if set(map(id, params)) <= trained(self.optimizer):
+            self._trained_key = key
+            return True
+        return False
 
     def capture(self) -> None:
+        if not self.saved and self._all_trained():
+            return  # the optimizer trains every parameter: nothing else to keep
         skip = trained(self.optimizer)
         if self.saved and self.learned < LEARN_STEPS:
             self._learn()
         learning = self.learned < LEARN_STEPS
         seen = {}
-        for module in self.model.modules():
-            for name, p in ti.own_parameters(module).items():
+        for module, own, _buffers in self.tree.slots():
+            for name, p in own.items():
                 if p is None or id(p) in skip:
                     continue
                 key = (id(module), name)
@@ -81,9 +108,12 @@ class Untrained:
                 if moved and not learning:
                     self.written.add(key)  # a new writer (or a new parameter): copied from now on
                 host = None
-                if learning or key in self.written:
+                if learning:  # read back by the next capture's _learn: a copy made now
                     with torch.no_grad(), self.device.host():
                         host = _host(p)
+                    self.copies += 1
+                elif key in self.written:  # read only by a restore: started, not waited for
+                    host = self.host.take(key, p)
                     self.copies += 1
                 seen[key] = [module, name, p, host, ti.version(p)]
         self.saved = seen
@@ -167,39 +197,118 @@ def _plain(value) -> bool:
     return False
 
 
+def immutable(value) -> bool:
+    """A number, a string, None, or a tuple of them (at any depth): nothing can change it in place,
+    so a reference keeps it as well as a copy."""
+    if type(value) in _PLAIN:
+        return True
+    return type(value) is tuple and all(immutable(v) for v in value)
+
+
+TENSOR, CONTENTS, GENERATOR = "tensor", "contents", "generator"  # what Attributes copies of a value
+
+
 class Attributes:
     """What a forward keeps in its modules' own attributes besides parameters and buffers: a
     plain tensor attribute written in place (a running input scale), a Python counter, a dict of
-    counts. Public attributes only (torch's bookkeeping and a module's private caches start with
-    "_"); objects of other kinds (a config) are left alone. Tensors are copied to host memory and
-    written back into the same tensor, the attribute pointed at it again; numbers and plain
-    containers are copied."""
+    counts, and (`generators=True`) the state of a `torch.Generator` held there. Public attributes
+    only (torch's bookkeeping and a module's private caches start with "_"); objects of other kinds
+    (a config) are left alone.
 
-    def __init__(self, model, device=None):
-        self.model, self.device = model, device
-        self.saved: list[tuple] = []  # (module, name, value as it was, host copy or None)
+    Each capture takes every module's attributes by reference (one shallow copy of each module's
+    `__dict__`): a forward that rebinds an attribute (a counter, `self.x = ...`) is undone by
+    putting the reference back, and numbers, strings and tuples of them cannot change in place.
+    What can change in place is copied: a plain tensor (to host memory, started without waiting,
+    written back into the same tensor), a list or dict of plain values (a deep copy), a generator's
+    state. Those are found by a walk of every attribute at the first `LEARN_STEPS` captures, again
+    when the module tree changes and when a module gained or lost an attribute (a list a forward
+    creates at its tenth call). An attribute that held a number or None at the walk and is rebound
+    later to a list, a tensor or a generator, which a failed attempt then changes in place before
+    any capture copied it, is put back by reference (its contents as the attempt left them), said
+    once, and copied from the next capture on."""
+
+    def __init__(self, model, device=None, tree: ModuleTree | None = None, *, generators: bool = False):
+        self.model, self.device, self.generators = model, device, generators
+        self.tree = tree if tree is not None else ModuleTree(model)
+        self.saved: list[tuple] = []     # (module, shallow copy of its __dict__)
+        self.contents: list[tuple] = []  # (module, name, value, kind, copy of its contents)
+        self.watched: list[tuple] = []   # (module, name) whose contents a capture copies
+        self.scans = 0                   # walks of every attribute (tests, benchmarks)
+        self._captures = 0
+        self._scanned_at = None          # the tree's walk the last scan saw
+        self._sizes: list = []           # each module's number of attributes at the last capture
+        self._warned: set = set()
+        self.host = HostCopies(device) if device is not None else None
+
+    def _kind(self, value) -> str | None:
+        if type(value) is torch.Tensor:  # not a Parameter: those are registered
+            return TENSOR
+        if type(value) is torch.Generator:
+            return GENERATOR if self.generators else None
+        return CONTENTS if not immutable(value) and _plain(value) else None
+
+    def _scan(self, modules) -> None:
+        self.scans += 1
+        self._scanned_at = self.tree.walks
+        self.watched = [(module, name) for module in modules for name, value in vars(module).items()
+                        if not name.startswith("_") and self._kind(value) is not None]
 
     def capture(self) -> None:
-        saved = []
-        with torch.no_grad(), self.device.host() if self.device is not None else contextlib.nullcontext():
-            for module in self.model.modules():
-                for name, value in vars(module).items():
-                    if name.startswith("_"):
-                        continue
-                    if type(value) is torch.Tensor:  # not a Parameter: those are registered
-                        saved.append((module, name, value, _host(value)))
-                    elif _plain(value):
-                        saved.append((module, name, copy.deepcopy(value), None))
-        self.saved = saved
+        modules = self.tree.modules()
+        dicts = list(map(vars, modules))
+        sizes = list(map(len, dicts))  # an attribute set for the first time grows its module's dict
+        if self._captures < LEARN_STEPS or self._scanned_at != self.tree.walks or sizes != self._sizes:
+            self._scan(modules)
+        self._sizes = sizes
+        self._captures += 1
+        self.saved = list(zip(modules, map(dict.copy, dicts)))
+        contents = []
+        for module, name in self.watched:
+            value = vars(module).get(name)
+            kind = self._kind(value)
+            if kind is not None:
+                contents.append((module, name, value, kind, self._copy(module, name, value, kind)))
+        self.contents = contents
+
+    def _copy(self, module, name, value, kind):
+        if kind == GENERATOR:
+            return value.get_state()
+        if kind == CONTENTS:
+            return copy.deepcopy(value)
+        if self.host is None:
+            return _host(value)
+        return self.host.take((id(module), name), value)
 
     def restore(self) -> None:
+        copied = {(id(m), name) for m, name, *_rest in self.contents}
+        for module, before in self.saved:
+            now = vars(module)
+            for name, value in before.items():
+                if name.startswith("_") or (self._kind(value) is None and not _plain(value)):
+                    continue  # torch's bookkeeping, a config: not a step's state
+                now[name] = value
+                if self._kind(value) is not None and (id(module), name) not in copied:
+                    self._unseen(module, name)
         with torch.no_grad():
-            for module, name, value, host in self.saved:
-                if host is not None:
-                    _local(value).copy_(host)
-                    vars(module)[name] = value
+            for module, name, value, kind, saved in self.contents:
+                if kind == TENSOR:
+                    _local(value).copy_(saved)
+                elif kind == GENERATOR:
+                    value.set_state(saved)
                 else:
-                    vars(module)[name] = copy.deepcopy(value)
+                    value = copy.deepcopy(saved)  # a copy: the saved one serves the next replay
+                vars(module)[name] = value
+
+    def _unseen(self, module, name) -> None:
+        """An attribute whose contents no capture copied (rebound to a list, tensor or generator
+        since the last walk): from the next capture on it is copied."""
+        self.watched.append((module, name))
+        if (id(module), name) not in self._warned:
+            self._warned.add((id(module), name))
+            log.warning("%s.%s was rebound to a %s after autofit last walked the module's attributes, so "
+                        "its contents were not copied for this replay (it is put back as the failed "
+                        "attempt left it); it is copied from the next step on.", type(module).__name__,
+                        name, type(vars(module).get(name)).__name__)
 
 
 def leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -221,28 +330,55 @@ def leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 class Gradients:
     """Gradients present when a step begins (kept: the step adds to them, as in a plain loop), on
-    the model and on leaves outside it that the step's backward reaches."""
+    the model and on leaves outside it that the step's backward reaches.
 
-    def __init__(self, model, device):
+    The leaves outside the model are found by walking each micro-batch's autograd graph before its
+    backward, at the first `LEARN_STEPS` captures and at every capture after one of them found
+    such a leaf (a discriminator, a head outside the model): a job whose graphs reach none stops
+    walking (a walk visits every node of a transformer's graph, every step). The model's parameter
+    ids are collected once per walk of the module tree."""
+
+    def __init__(self, model, device, tree: ModuleTree | None = None):
         self.model, self.device = model, device
+        self.tree = tree if tree is not None else ModuleTree(model)
         self.kept: dict[int, tuple] = {}     # id(tensor) -> (tensor, host copy of its entry grad)
         self.outside: dict[int, tuple] = {}  # leaves outside the model: id -> (tensor, copy or None)
+        self.host = HostCopies(device)
+        self.walks = 0                       # autograd graphs walked (tests, benchmarks)
+        self.walking = True                  # whether this capture's graphs are walked
+        self._captures = 0
+        self._found_outside = False          # some walk found a leaf outside the model
+        self._params: tuple | None = None    # (tree walk, ids of the model's parameters)
+
+    def _param_ids(self) -> set:
+        if self._params is None or self._params[0] != self.tree.walks:
+            self._params = (self.tree.walks, set(map(id, self.tree.parameters())))
+        return self._params[1]
 
     def capture(self) -> None:
         self.kept, self.outside = {}, {}
-        for p in self.model.parameters():
-            if p.grad is not None:
-                with torch.no_grad(), self.device.host():
-                    self.kept[id(p)] = (p, _host(p.grad))
+        self.walking = self._captures < LEARN_STEPS or self._found_outside
+        self._captures += 1
+        params = self.tree.parameters()
+        grads = list(map(_grad, params))
+        if grads.count(None) == len(grads):
+            return  # no gradient at entry (a loop that zeroes them): nothing to keep
+        for p, grad in zip(params, grads):
+            if grad is not None and id(p) not in self.kept:
+                self.kept[id(p)] = (p, self.host.take(id(p), grad))
 
     def reached(self, loss: torch.Tensor) -> None:
         """Before a backward from `loss`: keep the entry gradients of the leaves outside the model it
         reaches (called with every micro-batch's loss: a later one may reach a leaf the first did
         not, a head used by some rows only; a leaf already kept keeps its first, entry, gradient)."""
-        params = {id(p) for p in self.model.parameters()}
+        if not self.walking:
+            return
+        self.walks += 1
+        params = self._param_ids()
         for leaf in leaves(loss):
             if id(leaf) in params or id(leaf) in self.outside:
                 continue
+            self._found_outside = True
             with torch.no_grad(), self.device.host():
                 self.outside[id(leaf)] = (leaf, None if leaf.grad is None else _host(leaf.grad))
 
@@ -255,7 +391,7 @@ class Gradients:
     def restore(self) -> None:
         """Before a replay: the entry gradients come back, on the device."""
         with torch.no_grad():
-            for p in self.model.parameters():
+            for p in self.tree.parameters():
                 if id(p) not in self.kept:
                     p.grad = None
             for tensor, host in list(self.kept.values()) + list(self.outside.values()):

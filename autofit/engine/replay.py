@@ -31,7 +31,9 @@ import sys
 import torch
 
 from autofit import torch_internals as ti
-from autofit.engine.model_state import Attributes, Generators, Gradients, Untrained
+from autofit.engine.host_copies import HostCopies
+from autofit.engine.model_state import Attributes, Generators, Gradients, Untrained, immutable
+from autofit.engine.module_tree import ModuleTree
 from autofit.engine.whole_state import OptimizerState, StateDicts, Tensors
 from autofit.gpu.device import _map_tensors
 
@@ -65,8 +67,10 @@ def set_python_rng_state(state: tuple) -> None:
 
 
 def save_groups(optimizer) -> list[dict]:
-    """Copies of every param_group's entries but "params" (lr, betas, a step counter kept there)."""
-    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    """Copies of every param_group's entries but "params" (lr, betas, a step counter kept there);
+    a value nothing can change in place (a number, a string, a tuple of them) is kept as it is."""
+    return [{k: v if immutable(v) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
 
 
 def restore_groups(optimizer, saved: list[dict]) -> None:
@@ -93,21 +97,26 @@ class _Buffers:
     """Host copies of a model's buffers, taken at every capture: any buffer may have been written
     since the last one without a trace (native kernels write batch norm's running statistics without
     bumping `_version`, and a write through `.data` bumps nothing, a flag set with
-    `self.initialized.data.fill_(1)` included). Buffers are small next to the parameters."""
+    `self.initialized.data.fill_(1)` included). Buffers are small next to the parameters; their
+    copies are started without waiting (host_copies) and read only by a restore."""
 
-    def __init__(self, model, device):
-        self.model, self.device = model, device
+    def __init__(self, model, device, tree: ModuleTree):
+        self.model, self.device, self.tree = model, device, tree
         self.saved: list[tuple] = []  # (module, name, tensor, copy)
-        self.copies = 0  # buffers copied to host so far (for tests and the overhead benchmark)
+        self.host = HostCopies(device)
+
+    @property
+    def copies(self) -> int:
+        """Buffers copied to host so far (for tests and the overhead benchmark)."""
+        return self.host.copies
 
     def capture(self) -> None:
         saved = []
-        with torch.no_grad(), self.device.host():
-            for module in self.model.modules():
-                for name, buf in ti.own_buffers(module).items():
-                    if buf is not None:
-                        saved.append((module, name, buf, buf.detach().to("cpu", copy=True)))
-        self.copies += len(saved)
+        for module, own in self.tree.buffer_slots():
+            for name, buf in own.items():
+                if buf is not None:
+                    saved.append((module, name, buf, self.host.take((id(module), name), buf)))
+        self.host.keep_only({(id(m), n) for m, n, _b, _h in saved})
         self.saved = saved
 
     def restore(self) -> None:
@@ -171,13 +180,15 @@ class StartState:
                           Generators(model)]
             return
         ti.require(ti.REPLAY)
-        self.buffers = _Buffers(model, device)
-        self.untrained = Untrained(model, optimizer, device)
-        self.generators = Generators(model)
-        self.gradients = Gradients(model, device)
-        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, Attributes(model, device),
-                      _Groups(optimizer, device), self.gradients]
+        self.tree = ModuleTree(model)  # one walk of the modules for every part, again when it changes
+        self.buffers = _Buffers(model, device, self.tree)
+        self.untrained = Untrained(model, optimizer, device, self.tree)
+        self.attributes = Attributes(model, device, self.tree, generators=True)
+        self.gradients = Gradients(model, device, self.tree)
+        self.parts = [_Rng(), self.buffers, self.untrained, self.attributes, _Groups(optimizer, device),
+                      self.gradients]
         self.attempts = 0
+        self.batch_copies = HostCopies(device)  # the batch's tensors a loss could write
 
     def capture(self, batch=None) -> None:
         """Take the state now; REPLAY takes the global batch to replay too."""
@@ -190,9 +201,8 @@ class StartState:
         # Tensors the device hands to the loss as they are (no host-to-device copy) could be
         # written by the loss; keep their contents. The others reach the loss as copies.
         self.versions = [(t, ti.version(t)) for t in _leaves(batch)]
-        with torch.no_grad(), self.device.host():
-            self.kept = {id(t): t.detach().to("cpu", copy=True)
-                         for t, _ in self.versions if self.device.shares(t)}
+        self.kept = {id(t): self.batch_copies.take(i, t)
+                     for i, (t, _) in enumerate(self.versions) if self.device.shares(t)}
 
     @contextlib.contextmanager
     def held(self):

@@ -10,6 +10,7 @@ every micro-batch succeeded. Micro-batch losses are weighted by their share of t
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
@@ -148,6 +149,7 @@ class StepRunner:
         """Leave the model and optimizer as a plain loop would: own switches off. Offloaded state
         stays on the host, where the optimizer keeps it (offload.py)."""
         self.checkpointing.restore()
+        self.atomic.close()
         if self.offloaded is not None:
             self.offloaded.close()
             self.offloaded = None
@@ -228,9 +230,12 @@ class StepRunner:
         optimizer = self.optimizer
 
         def missing() -> bool:
-            return self.offloaded is None and any(
-                p.grad is not None and not optimizer.state.get(p)
-                for g in optimizer.param_groups for p in g["params"])
+            if self.offloaded is not None:
+                return False
+            params = list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+            if all(map(optimizer.state.get, params)):
+                return False  # every parameter has its state (a steady step): no Python loop over them
+            return any(p.grad is not None and not optimizer.state.get(p) for p in params)
 
         def starting(*_):
             if missing():

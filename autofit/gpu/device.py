@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import torch
 
 from autofit.gpu.fragmentation import ExpandableSegments, cuda_allocator_settings, restored
+from autofit.gpu.peaks import restore_peak
 from autofit.gpu.simulate import active_gpu, round_bytes, simulate_gpu
 from autofit.sizes import format_size, parse_size
 
@@ -81,6 +83,25 @@ class Device:
     def reset_peak_memory_stats(self) -> None:
         pass
 
+    _peaks = (0, 0)  # (allocated, reserved) maxima of the windows before the last reset
+
+    def run_peaks(self) -> tuple[int, int]:
+        """(allocated, reserved) peaks since the device was opened, through every reset autofit
+        made to measure its own windows (gpu/peaks)."""
+        return max(self._peaks[0], self.max_memory_allocated()), max(self._peaks[1], self.max_memory_reserved())
+
+    def start_run_peaks(self) -> int:
+        """The run's peaks counted from now (the counters reset, the maxima before forgotten);
+        returns the allocated peak read before, to put back at the end (gpu/peaks)."""
+        before = self.max_memory_allocated()
+        self.reset_peak_memory_stats()
+        self._peaks = (0, 0)
+        return before
+
+    def _fold_peaks(self) -> None:
+        """Called by a reset, before it: the window's peaks go into the run's."""
+        self._peaks = self.run_peaks()
+
     def empty_cache(self) -> None:
         pass
 
@@ -122,6 +143,11 @@ class Device:
         and from it need no staging)."""
         return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu")
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is host memory the device copies to without the host waiting (pinned:
+        what `host_empty` makes on CUDA)."""
+        return False
+
     def live_tensors(self) -> list[torch.Tensor]:
         """Tensors reachable from Python that hold device memory, largest first (for diagnostics)."""
         return []
@@ -132,6 +158,11 @@ class Device:
 
 class CpuDevice(Device):
     pass
+
+
+# id -> host tensor a simulated device's host_empty made (pinned on a card), for every device
+# object over any simulated GPU: a run's own and a test's see the same
+_SIMULATED_PINNED = weakref.WeakValueDictionary()
 
 
 class SimulatedDevice(Device):
@@ -157,6 +188,7 @@ class SimulatedDevice(Device):
         return self.gpu.max_memory_reserved()
 
     def reset_peak_memory_stats(self):
+        self._fold_peaks()
         self.gpu.reset_peak_memory_stats()
 
     def empty_cache(self):
@@ -187,6 +219,16 @@ class SimulatedDevice(Device):
 
     def host(self):
         return self.gpu.untracked()
+
+    def host_empty(self, like):
+        # Host memory as CUDA's would be pinned: marked so, so that a copy into it is counted as
+        # one the host does not wait for (diagnosis/syncs).
+        host = super().host_empty(like)
+        _SIMULATED_PINNED[id(host)] = host
+        return host
+
+    def is_pinned(self, tensor):
+        return _SIMULATED_PINNED.get(id(tensor)) is tensor
 
     def on_device(self, tensor):
         return self.gpu.holds(tensor)
@@ -234,6 +276,7 @@ class CudaDevice(Device):
         return torch.cuda.max_memory_reserved(self.index)
 
     def reset_peak_memory_stats(self):
+        self._fold_peaks()
         torch.cuda.reset_peak_memory_stats(self.index)
 
     def empty_cache(self):
@@ -265,6 +308,9 @@ class CudaDevice(Device):
     def host_empty(self, like):
         return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device="cpu",
                                    pin_memory=True)
+
+    def is_pinned(self, tensor):
+        return tensor.device.type == "cpu" and tensor.is_pinned()
 
     def live_tensors(self):
         return _live_python_tensors(lambda t: t.is_cuda)
@@ -304,6 +350,16 @@ def describe_tensors(tensors, limit: int = 5) -> str:
 
 
 @contextlib.contextmanager
+def _peak_kept(device):
+    """`device`, whose allocated-peak counter reads the run's maximum again on exit (gpu/peaks)."""
+    before = device.start_run_peaks()
+    try:
+        yield device
+    finally:
+        restore_peak(device, max(before, device.run_peaks()[0]))
+
+
+@contextlib.contextmanager
 def open_device(budget=None):
     """The device a run uses; restores whatever it changed on exit."""
     gpu = active_gpu()
@@ -311,19 +367,20 @@ def open_device(budget=None):
         if budget is not None and parse_size(budget) != gpu.budget:
             raise ValueError(
                 f"budget={budget!r} was given inside simulate_gpu({gpu.budget}); pass one or the other.")
-        yield SimulatedDevice(gpu)
+        with _peak_kept(SimulatedDevice(gpu)) as device:  # the user's simulate_gpu: they read its peak
+            yield device
         return
     if torch.cuda.is_available():
         device = CudaDevice(torch.cuda.current_device(), budget)
         if device.budget is None:
-            with restored(device):
+            with restored(device), _peak_kept(device):
                 yield device
             return
         fraction = min(device.budget / device.total_bytes, 1.0)
         previous = torch.cuda.get_per_process_memory_fraction(device.index)
         torch.cuda.set_per_process_memory_fraction(fraction, device.index)
         try:
-            with restored(device):
+            with restored(device), _peak_kept(device):
                 yield device
         finally:
             torch.cuda.set_per_process_memory_fraction(previous, device.index)

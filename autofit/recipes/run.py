@@ -38,6 +38,11 @@ class RunResult:
     # The LR scheduler stepped (the one given, or built from the factory; None without one): its
     # state_dict() resumes the schedule.
     scheduler: object = None
+    # The run's peaks on the device, in bytes (0 where nothing is counted: the plain CPU): the
+    # largest allocated and reserved through every window autofit measured. The device's own
+    # counter reads the same allocated peak after the run (gpu/peaks).
+    peak_allocated: int = 0
+    peak_reserved: int = 0
 
     @property
     def oom_attempts(self) -> int:
@@ -134,6 +139,7 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
         finally:
             result.attempts = training.attempts
             result.plan = training.plan
+            result.peak_allocated, result.peak_reserved = training.device.run_peaks()
     result.leaks = training.findings
     return result
 
@@ -153,7 +159,8 @@ def _train(training, epoch_batches, epochs, result, progress, evaluation=None) -
             result.history.append({"step": step, "epoch": epoch, "loss": loss, "samples": training.lockstep.global_rows,
                                    "plan": plan, "grad_norm": training.runner.grad_norm})
             if bar is not None:
-                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}")
+                # shown at tqdm's own refresh rate: a forced redraw per step costs every step
+                bar.set_postfix_str(f"loss {loss:.4f} | {plan.describe()}", refresh=False)
         if bar is not None:
             bar.close()
         if evaluation is not None:
