@@ -22,12 +22,14 @@ from autofit.engine.attempt_log import AttemptLog
 from autofit.engine.interfaces import Guide, Runner
 from autofit.engine.batches import rows_of, row_elements
 from autofit.engine.replay import StartState
+from autofit.engine.rules import Rules
 from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
 from autofit.gpu.device import _tensors
 from autofit.gpu.fragmentation import requested
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.plans.applies import unavailable_changes
+from autofit.plans.reach import advice
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 from autofit.plans.sizelog import Unguided
@@ -55,8 +57,10 @@ class Controller:
     def __init__(self, runner: Runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int | None = None,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None):
+                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None,
+                 rules: Rules | None = None):
         self.runner, self.ladder = runner, ladder
+        self.rules = rules if rules is not None else Rules()  # the job's own refusals and last resort
         # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
         self.guide = guide if guide is not None else Unguided()
         self.device, self.model = runner.device, runner.model
@@ -92,6 +96,7 @@ class Controller:
     def _forget_attempt(self) -> None:
         self.runner.abandon()
         self.start.failed()
+        self.rules.failed()
 
     # -- public --------------------------------------------------------------------------------
     def train(self, batch, step: int) -> float:
@@ -131,8 +136,8 @@ class Controller:
                     attempts=self.attempts, breakdown=last.memory if last else None, budget=self.device.budget)
             raise DoesNotFit(
                 f"no plan of the ladder fits global batch {global_batch} at step {step} on "
-                f"{self.device.describe()}; the model is as it was before this batch. Lower the "
-                f"global batch, give a larger budget, or allow offload/checkpointing in the ladder.",
+                f"{self.device.describe()}; the model is as it was before this batch. "
+                f"{advice([a.plan for a in failed])}",
                 attempts=self.attempts, breakdown=last.memory if last else None,
                 budget=self.device.budget)
         return outcome.value
@@ -152,7 +157,7 @@ class Controller:
             why = (f"rows of {length} elements, longer than any trained so far: the micro-batch "
                    f"proven for the longest ({longest[0]})")
         sized = plan.with_micro_batch(proven, global_batch)
-        if sized != plan:
+        if sized != plan and self.rules.refuses(sized) is None:
             self.plan, self.reason = sized, why
 
     # -- one attempt ---------------------------------------------------------------------------
@@ -216,7 +221,7 @@ class Controller:
 
     def _not_applicable(self, plan: Plan):
         """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
-        return self.runner.not_applicable(plan) or self.withdrawals.reason(plan)
+        return self.runner.not_applicable(plan) or self.withdrawals.reason(plan) or self.rules.refuses(plan)
 
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
@@ -323,10 +328,13 @@ class Controller:
         """The next plan down: the moves for the phase that failed first (where the runner's phases
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if self.runner.phase_steers_ladder else ""
-        taken = next_down(self.ladder, plan, global_batch, phase=phase,
-                          not_applicable=self._not_applicable,
-                          failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
-        return taken if taken is not None else (None, "")
+        for ladder in (self.ladder, self.rules.reach):  # the ladder, then the plans its path passed by
+            taken = None if ladder is None else next_down(
+                ladder, plan, global_batch, phase=phase, not_applicable=self._not_applicable,
+                failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
+            if taken is not None:
+                return taken
+        return None, ""
 
     def _worth_probing(self, bigger: Plan) -> bool:
         if self.settle_within <= 0:

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from autofit import torch_internals as ti
+from autofit.engine import attempt_writes
 from autofit.engine.model_state import Attributes, Generators, Gradients, Untrained
 from autofit.engine.whole_state import OptimizerState, StateDicts, Tensors
 from autofit.gpu.device import _map_tensors
@@ -175,7 +176,8 @@ class StartState:
         self.untrained = Untrained(model, optimizer, device)
         self.generators = Generators(model)
         self.gradients = Gradients(model, device)
-        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, Attributes(model, device),
+        self.attributes = Attributes(model, device)
+        self.parts = [_Rng(), self.buffers, self.untrained, self.generators, self.attributes,
                       _Groups(optimizer, device), self.gradients]
         self.attempts = 0
 
@@ -214,8 +216,10 @@ class StartState:
         self.gradients.reached(loss)
 
     def failed(self) -> None:
-        """After a failed attempt, before memory is checked: its gradients go."""
+        """After a failed attempt, before memory is checked: its gradients go, and what it wrote
+        into the model (engine/attempt_writes)."""
         self.gradients.drop()
+        attempt_writes.undo(self.model, self.attributes, self.buffers)
 
     def begin(self):
         """The batch as given, in fresh containers; before a replay, the start state is restored."""
