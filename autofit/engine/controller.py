@@ -261,7 +261,7 @@ class Controller:
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = self.attempter.fragmented(outcome, (step, plan))
+        why = self.attempter.fragmented(outcome, (step, plan)) or self._untouched_step(where, step, plan)
         if why:
             self.next_plan, self.reason = plan, why
             if not self.quiet:
@@ -275,6 +275,15 @@ class Controller:
         self._good_steps = 0
         self._step_down(plan, global_batch, text, where)
         return self.next_plan is not None
+
+    def _untouched_step(self, where: str, step: int, plan: Plan) -> str | None:
+        """The reason to replay `plan` once when its optimizer step ran out of memory before it
+        wrote anything (engine/atomic.Written): no verdict on the plan, as for any transient OOM."""
+        if where != "optimizer.step" or not getattr(self.runner.atomic, "untouched", False) \
+                or not self.attempter.replay_once((step, plan)):
+            return None
+        return ("the optimizer step ran out of memory before it wrote anything (parameters and state "
+                "unchanged): the same plan replayed once before any step down")
 
     def _retry_once(self, plan: Plan, step: int, global_batch: int, text: str) -> bool:
         """A size this run proved at this row length (on a step after the first, with the optimizer
