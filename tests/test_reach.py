@@ -100,3 +100,16 @@ def test_configurations_are_ordered_by_cost_and_reach_walks_past_what_does_not_a
     from autofit.plans.ladder import step_down
     no_checkpointing = lambda p: "no blocks" if p.checkpointing else None  # noqa: E731
     assert step_down(whole, Plan(16), not_applicable=no_checkpointing)[0] == Plan(16, offload_optimizer=True)
+
+
+def test_weights_above_the_budget_end_the_run_after_one_attempt():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2))  # 259.50 KiB of weights
+    batches = [(torch.randn(16, 256), torch.randint(0, 2, (16,)))]
+    with pytest.raises(autofit.DoesNotFit, match=re.escape(
+            "global batch 16 at step 0 on simulated GPU (97.66 KiB): the weights and what the device held before "
+            "the step (259.50 KiB) already fill the budget (97.66 KiB), so no plan can fit: use a smaller model, "
+            "freeze part of it, or give a larger budget.")) as error:
+        autofit.run(model, batches, loss_fn=loss_fn, budget=100_000, progress=False, cache=False,
+                    capacity_check=False)
+    assert [(a.plan.micro_batch_size, a.where, a.outcome) for a in error.value.attempts] == [(16, "copy-in", "oom")]

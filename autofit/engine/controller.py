@@ -25,6 +25,7 @@ from autofit.engine.replay import StartState
 from autofit.engine.rules import Rules
 from autofit.engine.withdrawal import Withdrawals
 from autofit.errors import DoesNotFit
+from autofit.sizes import format_size
 from autofit.gpu.device import _tensors
 from autofit.gpu.fragmentation import requested
 from autofit.gpu.memory import by_kind, storage_bytes
@@ -83,6 +84,7 @@ class Controller:
         self.withdrawals = Withdrawals()  # moves whose plan raised what the plan before did not
         self._tried: set = set()          # plans attempted in this run (a move's first attempt)
         self._oom_before = None           # (plan, phase, error) of this batch's last out-of-memory attempt
+        self.verdict = ""                 # why no plan can fit, found from one attempt
         # attempts of one global batch: a safety cap (engine.attempt.MAX_ATTEMPTS_PER_BATCH), no verdict
         self.max_attempts = max_attempts if max_attempts is not None else attempts_.MAX_ATTEMPTS_PER_BATCH
         self.start = StartState(self.model, runner.optimizer, self.device)
@@ -126,6 +128,10 @@ class Controller:
         if not outcome.ok:
             failed = self.attempts.of_step(step)
             last = failed[-1] if failed else None
+            if self.verdict:
+                raise DoesNotFit(f"global batch {global_batch} at step {step} on {self.device.describe()}: "
+                                 f"{self.verdict}", attempts=self.attempts,
+                                 breakdown=last.memory if last else None, budget=self.device.budget)
             if self.next_plan is not None:  # the ladder had a plan left: the cap ended the walk
                 raise DoesNotFit(
                     f"stopped after {len(failed)} attempts of global batch {global_batch} at step {step} on "
@@ -259,6 +265,9 @@ class Controller:
         self._oom_before = (plan, where, text)
         unavailable = unavailable_changes(plan, self._not_applicable)
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
+        if self._nothing_fits(outcome, where):
+            self.next_plan = None
+            return False
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
         why = self.attempter.fragmented(outcome, (step, plan)) or self._untouched_step(where, step, plan)
@@ -275,6 +284,19 @@ class Controller:
         self._good_steps = 0
         self._step_down(plan, global_batch, text, where)
         return self.next_plan is not None
+
+    def _nothing_fits(self, outcome, where: str) -> bool:
+        """An attempt that failed copying its batch in while what the device held before it (the
+        weights, the optimizer's state) already filled the budget: no plan can fit, since every
+        plan keeps the weights on the device; said after this one attempt (on one process: ranks
+        step down together, as their agreement decides)."""
+        budget = self.device.budget
+        if where != "copy-in" or budget is None or outcome.baseline < budget or self.runner.distributed:
+            return False
+        self.verdict = (f"the weights and what the device held before the step ({format_size(outcome.baseline)}) "
+                        f"already fill the budget ({format_size(budget)}), so no plan can fit: use a smaller "
+                        f"model, freeze part of it, or give a larger budget.")
+        return True
 
     def _untouched_step(self, where: str, step: int, plan: Plan) -> str | None:
         """The reason to replay `plan` once when its optimizer step ran out of memory before it
