@@ -65,12 +65,12 @@ class PartialUpdateError(RuntimeError):
 class MemoryNotReleased(RuntimeError):
     """After an OOM, memory did not return to what was allocated before the attempt."""
 
-    def __init__(self, extra: int, holders: str):
+    def __init__(self, extra: int, holders: str, fix: str | None = None):
+        fix = fix or ("something outside the step keeps tensors of the failed attempt alive (a loss or "
+                      "output stored in a list, a global, a hook); keep Python numbers (loss.item()) instead.")
         super().__init__(
             f"after an out-of-memory attempt {format_size(extra)} stayed allocated above the "
-            f"pre-attempt baseline, held by {holders}. Something outside the step keeps tensors of "
-            f"the failed attempt alive (a loss or output stored in a list, a global, a hook); keep "
-            f"Python numbers (loss.item()) instead.")
+            f"pre-attempt baseline, held by {holders}. {fix[0].upper()}{fix[1:]}")
 
 
 class NoLossError(ValueError):

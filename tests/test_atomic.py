@@ -76,7 +76,7 @@ def test_an_oom_at_any_allocation_of_the_step_is_rolled_back(steps_before):
             before = gpu.memory_allocated()
             atomic = AtomicStep(optimizer, device)
             gpu.fail_at(gpu.allocation_count + index)
-            with pytest.raises(torch.OutOfMemoryError, match="update rolled back"):
+            with pytest.raises(torch.OutOfMemoryError, match="update rolled back|before it wrote anything"):
                 atomic(optimizer.step)
             _assert_same(model, optimizer, saved)
             assert gpu.memory_allocated() == before, index

@@ -5,6 +5,8 @@ import numpy
 import pytest
 import torch
 
+import autofit
+
 from autofit.engine.checkpointing import Checkpointing, hf_checkpointing_state, hf_switch_checkpointing, largest_block_list
 from autofit.integrations import transformers_internals as hf_internals
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
@@ -403,3 +405,62 @@ def test_a_checkpointed_batchnorm_model_is_estimated_on_fake_tensors():
         return torch.nn.functional.cross_entropy(m(b[0]), b[1])
     est = autofit.estimate(model, batch, Plan(8, checkpointing=True), loss_fn=loss, device_type="cpu")
     assert est.method == "fake"
+
+
+class Annealed(torch.nn.Module):
+    """Scales its output by a schedule of its own call count (annealed noise, a router temperature)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x) * (1.0 + 0.5 / self.calls))  # tanh saves what the scale made
+
+
+class CountingNet(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(Annealed(8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _counting_loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def test_a_forward_counter_moves_once_per_forward_under_checkpointing():
+    """Every forward without checkpointing runs out of memory: the ladder turns checkpointing on. The recompute in backward sees the counter the forward found, so the run ends
+    as the plain loop with the same splits (no checkpointing), counters included."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)) for _ in range(3)]
+    model = CountingNet()
+
+    def needs_checkpointing(module, args):
+        if not getattr(module.blocks[0].forward, "__autofit_checkpoint__", False):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    model.register_forward_pre_hook(needs_checkpointing)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+    result = autofit.run(model, data, loss_fn=_counting_loss, optimizer=sgd, precision="fp32", progress=False,
+                         cache=False, capacity_check=False)
+    assert [(a.step, a.plan.micro_batch_size, a.plan.checkpointing, a.outcome) for a in result.attempts] == [
+        (0, 16, False, "oom"), (0, 16, True, "ok"), (1, 16, True, "ok"), (2, 16, True, "ok")]
+    finals = [h["plan"].micro_batch_size for h in result.history]
+    plain = CountingNet()
+    opt = sgd(plain.parameters())
+    for (x, y), micro in zip(data, finals):
+        for i in range(0, 16, micro):
+            (_counting_loss(plain, (x[i:i + micro], y[i:i + micro])) * (min(micro, 16 - i) / 16)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert [b.calls for b in model.blocks] == [b.calls for b in plain.blocks] == [sum(16 // m for m in finals)] * 3
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        assert (mine - theirs).abs().max().item() <= 1e-6

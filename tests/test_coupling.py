@@ -77,9 +77,10 @@ def test_a_split_cnn_with_batchnorm_equals_the_plain_loop_with_its_final_splits(
     torch.manual_seed(1234)
     with caplog.at_level(logging.INFO, logger="autofit"):
         result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False)
-    # Whole-batch moves first (checkpointing, offload), then the split.
-    assert attempts(result)[:4] == [(0, 16, False, False, "oom"), (0, 16, True, False, "oom"),
-                                    (0, 16, True, True, "oom"), (0, 8, True, True, "ok")]
+    # Every whole-batch plan first (checkpointing, offload, both; cheapest first), then the split.
+    assert attempts(result)[:5] == [(0, 16, False, False, "oom"), (0, 16, True, False, "oom"),
+                                    (0, 16, False, True, "oom"), (0, 16, True, True, "oom"),
+                                    (0, 8, True, True, "ok")]
     finals = [h["plan"].micro_batch_size for h in result.history]
     assert finals[0] == 8 and all(h["plan"].checkpointing for h in result.history)
     # Parameters and buffers (running statistics, num_batches_tracked) as a plain loop without
@@ -106,7 +107,7 @@ def test_forbidding_splits_keeps_batches_whole_or_says_why_not():
         autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False,
                     allow_split=False)
     assert [(a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer) for a in error.value.attempts] \
-        == [(16, False, False), (16, True, False), (16, True, True)]
+        == [(16, False, False), (16, True, False), (16, False, True), (16, True, True)]
     handle.remove()
     fits_rows(model, 16)
     result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, precision="fp32", progress=False,
@@ -125,7 +126,7 @@ def test_the_stepper_forbids_splits_as_run_does():
                 "splitting the global batch is forbidden (allow_split=False) and no whole-batch plan fits")) as error:
             step(batches[0])
     assert [(a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer) for a in error.value.attempts] \
-        == [(16, False, False), (16, True, False), (16, True, True)]
+        == [(16, False, False), (16, True, False), (16, False, True), (16, True, True)]
     handle.remove()
     fits_rows(model, 16)
     with autofit.stepper(model, sgd, loss_fn=loss_fn, precision="fp32", allow_split=False,
@@ -168,9 +169,10 @@ def test_the_capacity_check_starts_whole_when_a_whole_batch_move_fits():
     coupling = Coupling(wide_cnn())
     assert [(p.micro_batch_size, p.precision, p.checkpointing, p.offload_optimizer)
             for p in coupling.whole_plans(16, "auto", True)] == [
-        (16, "fp32", False, False), (16, "bf16", False, False), (16, "bf16", True, False), (16, "bf16", True, True)]
+        (16, "fp32", False, False), (16, "bf16", False, False), (16, "fp32", True, False), (16, "bf16", True, False),
+        (16, "fp32", False, True), (16, "bf16", False, True), (16, "fp32", True, True), (16, "bf16", True, True)]
     assert Coupling(nn.Linear(2, 2)).whole_plans(16, "fp32", True) == []
-    assert len(Coupling(nn.Linear(2, 2), allow_split=False).whole_plans(16, "fp32", True)) == 3
+    assert len(Coupling(nn.Linear(2, 2), allow_split=False).whole_plans(16, "fp32", True)) == 4
 
 
 def walk(ladder, plan):
@@ -183,10 +185,11 @@ def walk(ladder, plan):
 def test_the_whole_batch_first_ladder_is_an_exact_sequence():
     coupling = Coupling(cnn())
     assert walk(coupling.ladder(SizeLog(), "auto", True), Plan.for_batch(16)) == [
-        (16, "fp32", False, False), (16, "bf16", False, False), (16, "bf16", True, False), (16, "bf16", True, True),
+        (16, "fp32", False, False), (16, "bf16", False, False), (16, "fp32", True, False), (16, "bf16", True, False),
+        (16, "fp32", False, True), (16, "bf16", False, True), (16, "fp32", True, True), (16, "bf16", True, True),
         (8, "bf16", True, True), (4, "bf16", True, True), (2, "bf16", True, True), (1, "bf16", True, True)]
     assert walk(Coupling(cnn(), allow_split=False).ladder(SizeLog(), "fp32", True), Plan.for_batch(16)) == [
-        (16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", True, True)]
+        (16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", False, True), (16, "fp32", True, True)]
     plain = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # nothing coupled: the default ladder splits first
     assert walk(Coupling(plain).ladder(SizeLog(), "fp32", True), Plan.for_batch(16))[1] == (8, "fp32", False, False)
 
@@ -246,7 +249,8 @@ def test_phase_first_moves_stay_and_keep_the_batch_whole():
         == [True, True]
     forbidden = Coupling(cnn(), allow_split=False).ladder(SizeLog(), "fp32", True, user=Coupling(cnn()).ladder(
         SizeLog(), "fp32", True))
-    assert walk(forbidden, plan) == [(16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", True, True)]
+    assert walk(forbidden, plan) == [(16, "fp32", False, False), (16, "fp32", True, False), (16, "fp32", False, True),
+                                     (16, "fp32", True, True)]
     assert [m(plan).micro_batch_size for m in offers(forbidden, "optimizer.step")[:2]] == [16, 16]
 
 
@@ -319,3 +323,53 @@ def test_the_models_own_checkpointing_switch_moves_running_statistics_once():
     assert tracked == {4}
     sa, sb = model.state_dict(), reference.state_dict()
     assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
+
+
+def wide_images(n=2):
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(16, 3, 12, 12, generator=g), "y": torch.randint(0, 3, (16,), generator=g)}
+            for _ in range(n)]
+
+
+EVERY_WHOLE_PLAN = [(0, 16, False, False, "oom"), (0, 16, True, False, "oom"), (0, 16, False, True, "oom"),
+                    (0, 16, True, True, "oom")]
+
+
+@pytest.mark.parametrize("capacity_check", [True, False])
+def test_forbidding_splits_holds_on_every_path(capacity_check, tmp_path, monkeypatch):
+    """At 300,000 B no whole-batch plan of wide_cnn fits (the capacity check predicts micro 8 with
+    checkpointing): with allow_split=False neither the capacity check's sizes, nor a cached split
+    plan, nor the ladder split the batch; each whole plan is tried once, then DoesNotFit."""
+    monkeypatch.setenv("AUTOFIT_CACHE_DIR", str(tmp_path))
+    batches = wide_images()
+    common = dict(loss_fn=loss_fn, optimizer=sgd, budget=300_000, precision="fp32", progress=False,
+                  capacity_check=capacity_check)
+    split = autofit.run(wide_cnn(), batches, **common)  # allowed: it splits, and the cache keeps the split
+    assert split.plan.micro_batch_size == 8
+    for cache in (False, True):
+        with pytest.raises(autofit.DoesNotFit, match=re.escape("allow_split=False")) as error:
+            autofit.run(wide_cnn(), batches, **common, cache=cache, allow_split=False)
+        tried = [(a.step, a.plan.micro_batch_size, a.plan.checkpointing, a.plan.offload_optimizer, a.outcome)
+                 for a in error.value.attempts]
+        # The cache's plan (the split run's last) is made whole and tried first, the ladder's whole
+        # plans after it next, and those before it last (the ladder's reach).
+        cached = (0, 16, split.plan.checkpointing, split.plan.offload_optimizer, "oom")
+        at = EVERY_WHOLE_PLAN.index(cached) if cache else 0
+        assert tried == EVERY_WHOLE_PLAN[at:] + EVERY_WHOLE_PLAN[:at]
+        with autofit.stepper(wide_cnn(), sgd, loss_fn=loss_fn, budget=300_000, precision="fp32", cache=cache,
+                             capacity_check=capacity_check, allow_split=False) as step:
+            with pytest.raises(autofit.DoesNotFit) as error:
+                step(batches[0])
+        assert [a.plan.micro_batch_size for a in error.value.attempts] == [16, 16, 16, 16]
+
+
+def test_a_coupled_model_tries_every_whole_plan_then_splits_as_the_plain_loop_does():
+    batches = wide_images()
+    model = wide_cnn()
+    torch.manual_seed(1234)
+    result = autofit.run(model, batches, loss_fn=loss_fn, optimizer=sgd, budget=300_000, precision="fp32",
+                         progress=False, cache=False, capacity_check=False)
+    assert attempts(result) == EVERY_WHOLE_PLAN + [(0, 8, True, True, "ok"), (1, 12, True, True, "oom"),
+                                                   (1, 8, True, True, "ok")]
+    assert "MemoryNotReleased" not in str(result.attempts)
+    assert_same_state(model, plain_loop(wide_cnn(), batches, [8, 8]))

@@ -133,16 +133,16 @@ def test_a_sum_adds_its_micro_losses_and_a_mean_weighs_rows(reduction, caplog):
         assert abs(result.history[0]["loss"] - whole) <= 1e-5 * abs(whole)
 
 
-def test_a_loss_matching_no_reduction_is_weighted_by_rows_with_a_warning(caplog):
+def test_a_loss_matching_no_reduction_is_weighted_by_rows_and_called_coupled(caplog):
     def loss_fn(m, b):  # the square of a mean: neither a mean nor a sum of per-row terms
         return torch.nn.functional.mse_loss(m(b["x"]), b["y"]) ** 2
     with caplog.at_level(logging.INFO, logger="autofit"):
         weighting = loss_weighting(Regression(), regression_batches()[0], loss_fn, CpuDevice())
     assert (weighting.count, weighting.pass_items, weighting.summed) == (None, False, False)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and re.match(
-        r"loss_fn matches no reduction autofit knows \(rows mean, label-token mean, sum\): loss of row 0 "
-        r"[0-9.e-]+, of row 1 [0-9.e-]+, of both [0-9.e-]+; micro-batches are weighted by rows", warned[0])
+    # The rows are coupled: the job says so once (plans/coupling.Coupling.loss_couples), not here.
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
+    assert re.fullmatch(r"loss_fn \(loss of row 0 [0-9.e-]+, of row 1 [0-9.e-]+, of both [0-9.e-]+; a mean over "
+                        r"rows would give [0-9.e-]+\)", weighting.coupled)
 
 
 def test_bert_classification_head_is_found_to_ignore_num_items_in_batch(caplog):

@@ -59,6 +59,16 @@ class Snapshot:
         may hand these copies to the optimizer: never after one)."""
         return self.state.spare()
 
+    def unchanged(self) -> bool:
+        """Whether the parameters and state hold what was copied: a step that wrote nothing (an
+        OOM in a step pre-hook, or at its first temporary). By value: in-place foreach ops under a
+        dispatch mode (a simulated GPU, a profiler) bump no write counter."""
+        with torch.no_grad():
+            if any(saved is not None and not torch.equal(optimizer_state.local(p).detach().cpu(), saved)
+                   for p, saved in self.params):
+                return False
+            return self.state.unchanged()
+
     def restore(self) -> None:
         """Copy everything back in place; state made by the failed step is dropped."""
         for opt, groups in self.groups:
@@ -80,6 +90,7 @@ class AtomicStep:
         self.outer_peak = 0   # the device peak just before the last step (its counter is reset)
         self.failed_at = None  # bytes allocated when the last step ran out of memory
         self._spare = None     # the last state-only snapshot's copies, reused by the next one
+        self.untouched = False  # the last step ran out of memory before it wrote anything
         self.sigint = interrupts.SigintHold()  # installed at the first unguarded step, until close()
         weakref.finalize(self, self.sigint.uninstall)  # an AtomicStep dropped without close()
 
@@ -107,6 +118,7 @@ class AtomicStep:
         if snapshot is not None:
             self.snapshots += 1
         before = self.device.memory_allocated()
+        self.untouched = False
         self.outer_peak = self.device.max_memory_allocated()
         self.device.reset_peak_memory_stats()
         failure = None
@@ -129,6 +141,8 @@ class AtomicStep:
                 raise
             failure = summarize(error)
             self.failed_at = self.device.memory_allocated()
+            # Judged by what was written (by value, against the snapshot), not by where it failed.
+            self.untouched = snapshot is not None and snapshot.unchanged()
         step_peak = self.device.max_memory_allocated()
         if failure is None:
             self.need[key] = max(step_peak - before, 0)
@@ -138,6 +152,10 @@ class AtomicStep:
                 sigint.deliver()  # the update is whole: the Ctrl-C held during it is raised now
             return
         # Out of the except block: the failed step's frames and temporaries are gone.
+        if self.untouched:  # nothing to undo: an out-of-memory like any other, which a replay may survive
+            if snapshot is not None:
+                snapshot.restore()  # (group entries a pre-hook may have set)
+            raise torch.OutOfMemoryError(f"{failure} (in optimizer.step, before it wrote anything)")
         if snapshot is None:
             raise PartialUpdateError(
                 f"the optimizer step ran out of memory part-way ({failure}) although the last step "

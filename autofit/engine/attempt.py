@@ -24,6 +24,7 @@ from tenacity.stop import stop_base
 
 from autofit.engine import optimizer_state
 from autofit.engine.withdrawal import error_text
+from autofit.engine import attempt_writes
 from autofit.errors import MemoryNotReleased
 from autofit.gpu import fragmentation
 from autofit.gpu.device import describe_tensors
@@ -180,7 +181,7 @@ class Attempter:
         extra = self.above(baseline, owned, slack)
         if extra <= slack:
             return
-        raise MemoryNotReleased(extra, self._named())
+        raise MemoryNotReleased(extra, *self._named())
 
     def above(self, baseline: int, owned: int | None = None, slack: int = 0) -> int:
         """Bytes allocated above `baseline`, less the owner's growth since `owned` (counted only
@@ -190,10 +191,14 @@ class Attempter:
             extra -= max(self._owned() - owned, 0)
         return extra
 
-    def _named(self) -> str:
+    def _named(self) -> tuple[str, str | None]:
+        """(the tensors still held, the fix when the model's own attributes hold them)."""
         # A function of its own: the holders die with its frame, not pinned by the error's traceback.
         holders = self.holders()
-        return describe_tensors(holders) if holders else "no tensor Python can see"
+        model = self.owner()[0]
+        in_model = attempt_writes.holders(model, holders) if model is not None else []
+        return (describe_tensors(holders) if holders else "no tensor Python can see",
+                attempt_writes.fix_for(in_model) if in_model else None)
 
     def _owned(self) -> int:
         """Device bytes of the owner's parameters and buffers and of its optimizer's state."""

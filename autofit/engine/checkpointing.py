@@ -13,9 +13,10 @@ forward found (`_Recompute`: the buffers it wrote, the generators torch's checkp
 so spectral norm vectors, tracked InstanceNorm statistics and counters move once per forward, as in
 a plain loop. Batch-coupled layers' running statistics are the coupling guard's (plans/coupling):
 it sees every recompute through the layer's pre-hook, Hugging Face's switch's included, and puts
-them back when the backward ends. Side effects outside the block's tensors (a forward hook that counts
-calls, a Python attribute) happen twice under any checkpointing, as in a plain loop that
-checkpoints.
+them back when the backward ends. The block's modules' public number attributes (a call counter, a
+schedule's step) are set to what the forward found for the recompute and put back after it, so
+`self.calls += 1` moves once per forward. Other side effects (a forward hook that counts calls, a
+mutable container) happen twice under any checkpointing, as in a plain loop that checkpoints.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class _Recompute:
     def __init__(self, block):
         self.block = block
         self.found: list = []  # (buffer, a copy on the device of it as the forward found it)
+        self.changed_attributes: list = []  # (module, name, value as the forward found it)
 
     def forward_context(self):
         return self._forward()
@@ -113,7 +115,10 @@ class _Recompute:
             self.found = [(b, b.clone()) for b in _buffers(self.block)]
         self.generators = module_generators(self.block)
         self.found_rng = _rng(self.generators)
+        found_attributes = plain_attributes(self.block)
         yield
+        self.changed_attributes = [(m, name, value) for m, name, value in found_attributes
+                                   if vars(m).get(name, _ABSENT) != value]
 
     @contextlib.contextmanager
     def _recompute(self):
@@ -126,10 +131,13 @@ class _Recompute:
             for b, before in self.found:
                 b.copy_(before)
         _set_rng(self.generators, self.found_rng)
+        now_attributes = [(m, name, vars(m).get(name, _ABSENT)) for m, name, _ in self.changed_attributes]
+        _set_attributes(self.changed_attributes)
         try:
             yield
         finally:
             _set_rng(self.generators, now_rng)
+            _set_attributes(now_attributes)
             with torch.no_grad():
                 for b, value in now:
                     # Written through `.data`, whose writes do not move `_version`: where the
@@ -146,6 +154,27 @@ def _buffers(block) -> list:
     block's own are here: its recompute calls its forward, which its pre-hook does not see)."""
     coupled = {id(b) for _, m in coupled_modules(block) if m is not block for b in m.buffers(recurse=False)}
     return list({id(b): b for b in block.buffers() if b is not None and id(b) not in coupled}.values())
+
+
+_ABSENT = object()  # an attribute the forward found missing
+_NUMBERS = (bool, int, float, str, type(None))
+
+
+def plain_attributes(block) -> list:
+    """(module, name, value) of the public attributes of the block's modules that hold a number, a
+    string or a tuple of them (a call counter, a temperature schedule's step): what a forward may
+    move with `self.calls += 1`. Values of these kinds are immutable, so no copy is needed."""
+    return [(m, name, value) for m in block.modules() for name, value in vars(m).items()
+            if not name.startswith("_") and (isinstance(value, _NUMBERS) or
+                                              isinstance(value, tuple) and all(isinstance(v, _NUMBERS) for v in value))]
+
+
+def _set_attributes(saved) -> None:
+    for module, name, value in saved:
+        if value is _ABSENT:
+            vars(module).pop(name, None)
+        else:
+            vars(module)[name] = value
 
 
 def _rng(generators) -> tuple:

@@ -22,12 +22,15 @@ from autofit.engine.attempt_log import AttemptLog
 from autofit.engine.interfaces import Guide, Runner
 from autofit.engine.batches import rows_of, row_elements
 from autofit.engine.replay import StartState
+from autofit.engine.rules import Rules
 from autofit.engine.withdrawal import MOVES, Withdrawals
 from autofit.errors import DoesNotFit
+from autofit.sizes import format_size
 from autofit.gpu.device import _tensors
 from autofit.gpu.fragmentation import requested
 from autofit.gpu.memory import by_kind, storage_bytes
 from autofit.plans.applies import unavailable_changes
+from autofit.plans.reach import advice
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
 from autofit.plans.sizelog import Unguided
@@ -55,8 +58,10 @@ class Controller:
     def __init__(self, runner: Runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
                  reason: str = "start: the whole global batch at once", max_attempts: int | None = None,
                  probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None):
+                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None,
+                 rules: Rules | None = None):
         self.runner, self.ladder = runner, ladder
+        self.rules = rules if rules is not None else Rules()  # the job's own refusals and last resort
         # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
         self.guide = guide if guide is not None else Unguided()
         self.device, self.model = runner.device, runner.model
@@ -79,6 +84,7 @@ class Controller:
         self.withdrawals = Withdrawals()  # moves whose plan raised what the plan before did not
         self._tried: set = set()          # plans attempted in this run (a move's first attempt)
         self._oom_before = None           # (plan, phase, error) of this batch's last out-of-memory attempt
+        self.verdict = ""                 # why no plan can fit, found from one attempt
         # attempts of one global batch: a safety cap (engine.attempt.MAX_ATTEMPTS_PER_BATCH), no verdict
         self.max_attempts = max_attempts if max_attempts is not None else attempts_.MAX_ATTEMPTS_PER_BATCH
         self.start = StartState(self.model, runner.optimizer, self.device)
@@ -92,6 +98,7 @@ class Controller:
     def _forget_attempt(self) -> None:
         self.runner.abandon()
         self.start.failed()
+        self.rules.failed()
 
     # -- public --------------------------------------------------------------------------------
     def train(self, batch, step: int, shape: tuple | None = None) -> float:
@@ -122,6 +129,10 @@ class Controller:
         if not outcome.ok:
             failed = self.attempts.of_step(step)
             last = failed[-1] if failed else None
+            if self.verdict:
+                raise DoesNotFit(f"global batch {global_batch} at step {step} on {self.device.describe()}: "
+                                 f"{self.verdict}", attempts=self.attempts,
+                                 breakdown=last.memory if last else None, budget=self.device.budget)
             if self.next_plan is not None:  # the ladder had a plan left: the cap ended the walk
                 raise DoesNotFit(
                     f"stopped after {len(failed)} attempts of global batch {global_batch} at step {step} on "
@@ -132,8 +143,8 @@ class Controller:
                     attempts=self.attempts, breakdown=last.memory if last else None, budget=self.device.budget)
             raise DoesNotFit(
                 f"no plan of the ladder fits global batch {global_batch} at step {step} on "
-                f"{self.device.describe()}; the model is as it was before this batch. Lower the "
-                f"global batch, give a larger budget, or allow offload/checkpointing in the ladder.",
+                f"{self.device.describe()}; the model is as it was before this batch. "
+                f"{advice([a.plan for a in failed])}",
                 attempts=self.attempts, breakdown=last.memory if last else None,
                 budget=self.device.budget)
         return outcome.value
@@ -153,7 +164,7 @@ class Controller:
             why = (f"rows of {length} elements, longer than any trained so far: the micro-batch "
                    f"proven for the longest ({longest[0]})")
         sized = plan.with_micro_batch(proven, global_batch)
-        if sized != plan:
+        if sized != plan and self.rules.refuses(sized) is None:
             self.plan, self.reason = sized, why
 
     # -- one attempt ---------------------------------------------------------------------------
@@ -217,7 +228,7 @@ class Controller:
 
     def _not_applicable(self, plan: Plan):
         """Why `plan` cannot run: the runner's rule, or a move withdrawn in this run."""
-        return self.runner.not_applicable(plan) or self.withdrawals.reason(plan)
+        return self.runner.not_applicable(plan) or self.withdrawals.reason(plan) or self.rules.refuses(plan)
 
     def _at_failure(self, error) -> tuple:
         """(phase, bytes by kind, the atomic step's bytes at its failure), read inside the except
@@ -255,9 +266,12 @@ class Controller:
         self._oom_before = (plan, where, text)
         unavailable = unavailable_changes(plan, self._not_applicable)
         self._record(Attempt(plan, "oom", reason, outcome.peak, step, text, where, memory, unavailable))
+        if self._nothing_fits(outcome, where):
+            self.next_plan = None
+            return False
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = self.attempter.fragmented(outcome, (step, plan))
+        why = self.attempter.fragmented(outcome, (step, plan)) or self._untouched_step(where, step, plan)
         if why:
             self.next_plan, self.reason = plan, why
             if not self.quiet:
@@ -271,6 +285,28 @@ class Controller:
         self._good_steps = 0
         self._step_down(plan, global_batch, text, where)
         return self.next_plan is not None
+
+    def _nothing_fits(self, outcome, where: str) -> bool:
+        """An attempt that failed copying its batch in while what the device held before it (the
+        weights, the optimizer's state) already filled the budget: no plan can fit, since every
+        plan keeps the weights on the device; said after this one attempt (on one process: ranks
+        step down together, as their agreement decides)."""
+        budget = self.device.budget
+        if where != "copy-in" or budget is None or outcome.baseline < budget or self.runner.distributed:
+            return False
+        self.verdict = (f"the weights and what the device held before the step ({format_size(outcome.baseline)}) "
+                        f"already fill the budget ({format_size(budget)}), so no plan can fit: use a smaller "
+                        f"model, freeze part of it, or give a larger budget.")
+        return True
+
+    def _untouched_step(self, where: str, step: int, plan: Plan) -> str | None:
+        """The reason to replay `plan` once when its optimizer step ran out of memory before it
+        wrote anything (engine/atomic.Written): no verdict on the plan, as for any transient OOM."""
+        if where != "optimizer.step" or not getattr(self.runner.atomic, "untouched", False) \
+                or not self.attempter.replay_once((step, plan)):
+            return None
+        return ("the optimizer step ran out of memory before it wrote anything (parameters and state "
+                "unchanged): the same plan replayed once before any step down")
 
     def _retry_once(self, plan: Plan, step: int, global_batch: int, text: str) -> bool:
         """A size this run proved at this row length (on a step after the first, with the optimizer
@@ -324,10 +360,13 @@ class Controller:
         """The next plan down: the moves for the phase that failed first (where the runner's phases
         are the same on every rank), skipping moves that do not apply to this job."""
         phase = where if self.runner.phase_steers_ladder else ""
-        taken = next_down(self.ladder, plan, global_batch, phase=phase,
-                          not_applicable=self._not_applicable,
-                          failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
-        return taken if taken is not None else (None, "")
+        for ladder in (self.ladder, self.rules.reach):  # the ladder, then the plans its path passed by
+            taken = None if ladder is None else next_down(
+                ladder, plan, global_batch, phase=phase, not_applicable=self._not_applicable,
+                failed=self.sizes.known_to_fail, said=self._said, quiet=self.quiet)
+            if taken is not None:
+                return taken
+        return None, ""
 
     def _judged(self, plan: Plan, new, why: str, global_batch: int, where: str):
         """`new`, unless it is a precision or checkpointing move predicted to peak no lower than

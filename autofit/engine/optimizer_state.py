@@ -134,6 +134,16 @@ def _put_back(saved: torch.Tensor, now, was: torch.Tensor) -> torch.Tensor:
     return like(saved, was, was.device if not isinstance(now, torch.Tensor) else now.device)
 
 
+def _same(value, saved) -> bool:
+    """Whether `value` is what `Copy._save` saved as `saved`."""
+    kind, kept, copied = saved
+    if kind == "tensor":
+        return value is kept and torch.equal(local(value).detach().cpu(), copied)
+    if kind == "tree":
+        return all(torch.equal(local(t).detach().cpu(), c) for t, c in copied)
+    return value == kept
+
+
 class Copy:
     """Host copies of an optimizer's whole state (every holder, every depth), put back by `restore`
     into the same dicts and, where their shapes still match, the same tensors; what was added since
@@ -169,6 +179,18 @@ class Copy:
         restore may hand these copies to the optimizer: never after one)."""
         return {(h, id(p), k): saved[2] for h, (_, entries) in enumerate(self.saved)
                 for p, (_, held) in entries.items() for k, saved in held.items() if saved[0] == "tensor"}
+
+    def unchanged(self) -> bool:
+        """Whether the state holds what was copied: the same parameters and keys, equal values."""
+        for state, entries in self.saved:
+            if set(state) != set(entries):
+                return False
+            for p, (entry, held) in entries.items():
+                if state[p] is not entry or set(entry) != set(held):
+                    return False
+                if not all(_same(entry[k], saved) for k, saved in held.items()):
+                    return False
+        return True
 
     def restore(self) -> None:
         with torch.no_grad():

@@ -40,6 +40,7 @@ class Reduction:
     kind: str | None
     measured: str
     ambiguous: bool = False  # several reductions match: the rows' losses were alike
+    finite: bool = True      # False: some loss was not a finite number (no loss found, or nan)
 
 
 def probe_rows(batch) -> list | None:
@@ -71,7 +72,7 @@ def classify(a: float, b: float, ab: float, rows) -> Reduction:
     """The reduction whose prediction of `ab` from `a` and `b` matches (see the module docstring)."""
     measured = f"loss of row 0 {a:.6g}, of row 1 {b:.6g}, of both {ab:.6g}"
     if not all(math.isfinite(x) for x in (a, b, ab)):
-        return Reduction(None, measured)
+        return Reduction(None, measured, finite=False)
     predicted = {ROWS: (a + b) / 2, SUM: a + b}
     for kind, (na, nb) in _counts(rows[2]).items():
         if na + nb:
@@ -80,7 +81,13 @@ def classify(a: float, b: float, ab: float, rows) -> Reduction:
     matches = [kind for kind, value in predicted.items() if abs(value - ab) <= TOLERANCE * scale]
     if len(matches) == 1:
         return Reduction(matches[0], measured)
+    if not matches:  # the nearest known reduction, to say how far the loss is from it
+        kind = min(predicted, key=lambda k: abs(predicted[k] - ab))
+        measured += f"; {_WORDS.get(kind, 'a mean over label tokens')} would give {predicted[kind]:.6g}"
     return Reduction(None, measured, ambiguous=len(matches) > 1)
+
+
+_WORDS = {ROWS: "a mean over rows", SUM: "a sum over rows"}
 
 
 def probe_reduction(loss_of, batch) -> Reduction | None:

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from autofit import torch_internals as ti
+from autofit.engine import attempt_writes
 from autofit.engine.host_copies import HostCopies
 from autofit.engine.model_state import Attributes, Generators, Gradients, Untrained, immutable
 from autofit.engine.module_tree import ModuleTree
@@ -224,8 +225,10 @@ class StartState:
         self.gradients.reached(loss)
 
     def failed(self) -> None:
-        """After a failed attempt, before memory is checked: its gradients go."""
+        """After a failed attempt, before memory is checked: its gradients go, and what it wrote
+        into the model (engine/attempt_writes)."""
         self.gradients.drop()
+        attempt_writes.undo(self.attributes, self.buffers)
 
     def begin(self):
         """The batch as given, in fresh containers; before a replay, the start state is restored."""

@@ -119,6 +119,7 @@ class LossWeighting:
     pass_items: bool = False        # hand num_items_in_batch=count(global batch) on; each part weighs 1
     why: str = "rows: a per-row mean"
     summed: bool = False            # the loss is a sum over its batch: micro losses add, each weighs 1
+    coupled: str = ""               # how the loss of two rows differs from its parts' (it couples rows)
 
     def shares(self, batch, parts) -> list[float]:
         if self.summed:
@@ -285,11 +286,11 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None,
         log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
                  whose, said, found.measured)
         return weighting
-    if found is not None and not found.ambiguous:
-        log.warning("%s matches no reduction autofit knows (rows mean, label-token mean, sum): %s; "
-                    "micro-batches are weighted by rows. Make the loss a mean over rows or label tokens, or "
-                    "a sum, or give loss_fn a num_items_in_batch parameter.", whose, found.measured)
-        return LossWeighting(why="rows: the loss matched no known reduction")
+    if found is not None and found.finite and not found.ambiguous:
+        # Not a weighted combination of its rows' losses: the rows are coupled (in-batch negatives,
+        # a batch statistic). plans/coupling says so once and keeps the batch whole first.
+        return LossWeighting(why="rows: the loss couples its rows, so a split batch is weighted by rows",
+                             coupled=f"{whose} ({found.measured})")
     if loss_fn is not None:
         if token_level:
             log.info("loss_fn takes no num_items_in_batch keyword, so micro-batches are weighted by rows; "

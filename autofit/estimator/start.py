@@ -143,6 +143,10 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))
                 return kept
+            if coupling is not None and not coupling.allow_split:  # no split to rank: the ladder tries each whole plan
+                log.info("capacity check: no whole-batch plan predicted to fit, and allow_split=False "
+                         "forbids splitting; starting from the whole batch, the ladder tries each whole plan")
+                return None
             candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer,
                               loss_fn=loss_fn, device_type=device_type, calibration=calibration,
                               bf16_supported=device.supports_bf16(), estimator=estimator, **room)

@@ -28,16 +28,15 @@ from autofit.plans.ladder import (
     Either,
     Move,
     ShrinkMicroBatch,
-    checkpointing,
     default_ladder,
-    ladder_of,
     phased,
 )
 from autofit.plans.plan import Plan
-from autofit.plans.sizelog import SizeLog
+from autofit.plans.reach import Reach, configurations
 
 log = logging.getLogger("autofit")
 
+LOSS = "the loss"  # in `Coupling.names` when the loss itself couples the rows
 ATTRIBUTE = "batch_coupled"  # set on a module: True declares it coupled, False takes a BatchNorm out
 
 
@@ -55,10 +54,12 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 
 def whole_first_ladder(sizes, precision: str = precisions.AUTO, bf16_supported: bool = True,
                        allow_split: bool = True) -> Move:
-    """The ladder's rungs that keep the global batch whole first (bf16 only with precision="auto"),
-    then halving the micro-batch down to 1 unless splitting is forbidden (ladder.ladder_of)."""
-    return phased(ladder_of(precision, bf16_supported, whole_first=True, allow_split=allow_split,
-                            split=lambda floor: ShrinkMicroBatch(sizes, floor=floor)))  # phases keep it whole too
+    """Every whole-batch plan first (plans/reach.py: mixed precision as the policy allows,
+    checkpointing, offload, each alone and together, cheapest first), then halving the micro-batch
+    down to 1 unless splitting is forbidden. Each phase's own moves keep the batch whole too."""
+    whole = Reach(sizes, configurations(precision, bf16_supported), whole=True)
+    split = [ShrinkMicroBatch(sizes, floor=1)] if allow_split else []
+    return phased(Either(whole, *split))
 
 
 class _KeepWhole(Move):
@@ -105,6 +106,18 @@ class Coupling:
                         "when nothing whole fits; allow_split=False forbids splitting.",
                         type(model).__name__, ", ".join(self.names))
 
+    def loss_couples(self, measured: str) -> None:
+        """The loss was measured not to be a row- or token-weighted combination of its rows' losses
+        (`measured`: whose loss, and the three losses): the job is batch-coupled, said once."""
+        if LOSS in self.names:
+            return
+        self.names.append(LOSS)
+        log.warning("the loss couples the rows of a batch: %s is not the row- or token-weighted combination "
+                    "of each row's loss, so splitting a global batch into micro-batches changes it (in-batch "
+                    "negatives, a statistic over the batch). autofit tries every whole-batch plan first "
+                    "(precision as allowed, checkpointing, offload, alone and together) and splits only when "
+                    "none fits; allow_split=False forbids splitting.", measured)
+
     @property
     def whole_first(self) -> bool:
         return bool(self.names) or not self.allow_split
@@ -117,17 +130,13 @@ class Coupling:
         return whole_first_ladder(sizes, precision, bf16_supported, self.allow_split)
 
     def whole_plans(self, global_batch: int, precision: str, bf16_supported: bool) -> list:
-        """The whole-batch plans this run's ladder tries before it splits, in its order, from the
-        plan a run starts with; [] when nothing keeps the batch whole first. The capacity check
+        """The whole-batch plans this run's ladder tries before it splits, in its order (the plan a
+        run starts with first); [] when nothing keeps the batch whole first. The capacity check
         starts from the first of them predicted to fit, as the ladder would reach it."""
         if not self.whole_first:
             return []
-        plan = Plan.for_batch(global_batch, precision=precisions.start_precision(precision))
-        ladder = whole_first_ladder(SizeLog(), precision, bf16_supported, allow_split=False)
-        plans = [plan]
-        while (plan := ladder(plan)) is not None:
-            plans.append(plan)
-        return plans
+        start = Plan.for_batch(global_batch)
+        return [start.replace(**config) for config in configurations(precision, bf16_supported)]
 
     def start(self, plan, reason: str, global_batch: int):
         """The start plan, made whole when splitting is forbidden."""
@@ -135,6 +144,14 @@ class Coupling:
             return plan, reason
         return (plan.with_micro_batch(global_batch, global_batch),
                 f"{reason}; the whole batch, since allow_split=False")
+
+    def refuses(self, plan: Plan) -> str | None:
+        """Why `plan` may not run: it splits the global batch (more than one micro-batch) and
+        splitting is forbidden. The controller asks it of every plan, from any path (the ladder, the
+        sizes a capacity check or a cache proved, an upward search, a resumed state)."""
+        if self.allow_split or plan.accumulation_steps == 1:
+            return None
+        return f"{plan.describe()} splits the global batch, which allow_split=False forbids"
 
     def refusal(self) -> str | None:
         """What to add to DoesNotFit when splitting was forbidden."""
@@ -167,6 +184,10 @@ class Coupling:
             for saved in self._pending.values():
                 for buffer, copy in saved:
                     buffer.copy_(copy)
+        self._pending, self._task = {}, None
+
+    def forget(self) -> None:
+        """A failed attempt's backward never ended: its copies go (the start state puts the buffers back)."""
         self._pending, self._task = {}, None
 
     def close(self) -> None:

@@ -242,13 +242,13 @@ def step_down(ladder: Move, plan: Plan, phase: str = "", not_applicable=None,
     skipped = []
     for move in offers(ladder, phase):
         taken = move.take(plan, global_batch)
-        if taken is None:
-            continue
-        reason = not_applicable(taken[0]) if not_applicable is not None else None
-        if reason:
+        while taken is not None:
+            reason = not_applicable(taken[0]) if not_applicable is not None else None
+            if not reason:
+                return taken[0], taken[1], skipped
             skipped.append((move, reason))
-            continue
-        return taken[0], taken[1], skipped
+            # a move that walks a list of plans (plans/reach.py) goes on past the one that does not apply
+            taken = move.take(plan, global_batch, passed=taken[0]) if getattr(move, "walks", False) else None
     return None, "", skipped
 
 

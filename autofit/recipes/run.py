@@ -105,10 +105,22 @@ def run(model: torch.nn.Module, data: Data, *, epochs: int = 1, batch_size: int 
 keywords(run)
 
 
+def unbatched(data) -> str:
+    """What to say when `data` is a DataLoader that yields single samples (batch_size=None)."""
+    if getattr(data, "batch_size", 0) is None and getattr(data, "batch_sampler", 0) is None:
+        return ("data is a DataLoader with batch_size=None, which yields one sample at a time, not a "
+                "global batch; give the DataLoader batch_size=<global batch>, or pass its dataset with "
+                "batch_size=<global batch>.")
+    return ""
+
+
 def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,
          tune_options):
     first, epoch_batches = global_batches(data, batch_size, epochs)
-    rows_of(training.layout.rows_first(first))  # raises on a batch that cannot be split
+    try:
+        rows_of(training.layout.rows_first(first))  # raises on a batch that cannot be split
+    except ValueError as error:
+        raise ValueError(f"{error} {unbatched(data)}".rstrip()) from None
     progress = training.progress
     if tune_options is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "

@@ -22,6 +22,7 @@ from autofit.engine.interfaces import OptimizerArg
 from autofit.errors import DoesNotFit
 from autofit.plans.sizelog import SizeLog
 from autofit.plans.plan import Plan
+from autofit.recipes.crossing import Crossing
 from autofit.recipes.options import Options, keywords
 from autofit.recipes.training import Training
 
@@ -47,6 +48,7 @@ class Step:
     def __init__(self, training: Training):
         self._training = training
         self._resume = None
+        self._crossing = Crossing(training.model)  # another stepper's gradients on this one's model
 
     def __call__(self, batch) -> StepOutput:
         training = self._training
@@ -57,7 +59,9 @@ class Step:
         try:
             if training.controller is None:  # the first batch: the cache and the capacity check use it
                 training.start(batch, resume=self._resume)
+            self._crossing.before()
             loss = training.train(batch)
+            self._crossing.after()
         except DoesNotFit as error:  # caught inside the block too: the same message as autofit.run's
             training.explain_refusal(error)
             raise

@@ -26,6 +26,8 @@ from autofit.engine.interfaces import Lockstep
 from autofit.engine.kept import joined
 from autofit.engine.layout import Layout
 from autofit.plans.coupling import Coupling
+from autofit.plans.reach import Reach, configurations
+from autofit.engine.rules import Rules
 from autofit.gpu.device import open_device
 from autofit.gpu.memory import by_kind
 from autofit.gpu.oom import collect
@@ -138,6 +140,15 @@ class Training:
             device=lockstep.cache_view(device),
             enabled=self.cache and lockstep.rank == 0)  # rank 0 owns the cache
 
+        # How the loss weighs micro-batches, asked before the start is chosen (a sharded model's
+        # probe runs on every rank at once, agreed): a loss that couples its rows makes the job
+        # batch-coupled (whole-batch plans first, in the capacity check too).
+        call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
+        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
+                                   probe=lockstep.sharded is None, call=call, ask=not self.distributed)
+        if weighting.coupled:
+            self.coupling.loss_couples(weighting.coupled)
+
         def choose():
             """(start plan, reason, settle_within); fills `sizes` with what is already known."""
             if resume is not None:
@@ -179,10 +190,6 @@ class Training:
         moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
         if lockstep.sharded is not None and self.user_ladder is None:
             moves = sharded_ladder(moves)  # FSDP2's own moves first
-        # A sharded model's forwards communicate: its probe runs on every rank at once, agreed.
-        call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
-        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
-                                   probe=lockstep.sharded is None, call=call, ask=not self.distributed)
         # ranks weigh by shares; a loss_fn told num_items_in_batch counts through its weighting
         count_tokens = None if self.loss_fn is not None and weighting.pass_items else weighting.count
         options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
@@ -197,10 +204,20 @@ class Training:
                                                 weighting=told, **options)
         self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
                                      quiet=not self.progress, settle_within=settle_within,
-                                     guide=self.guide)
+                                     guide=self.guide, rules=self._rules(precision, device))
         self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
         self.watch.check_batch(first, data)
         self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+
+    def _rules(self, precision: str, device) -> Rules:
+        """No split where allow_split=False forbids it, on any path; before giving up, every plan
+        of autofit's own ladder's configurations (plans/reach.py), on one process (ranks walk only
+        the ladder, which they agree on step by step)."""
+        reach = None
+        if self.user_ladder is None and not self.distributed:
+            configs = configurations(precision, device.supports_bf16())
+            reach = Reach(self.sizes, configs, whole=not self.allow_split, restart=True)
+        return Rules(refuse=self.coupling.refuses, reach=reach, forget=self.coupling.forget)
 
     @property
     def plan(self) -> Plan | None:
