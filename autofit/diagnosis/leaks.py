@@ -1,6 +1,6 @@
 """Leaks: device memory a training job keeps that autofit cannot free, found, named and fixed.
-(Just over 300 lines: the watch, its heap search and the fix it names share one notion of what
-"held" means; the kinds of holders are in leak_kinds, the graph walk in graphs.)
+The watch, its heap search and the fix it names share one notion of what
+"held" means; the kinds of holders are in leak_kinds, the graph walk in graphs.
 
 autofit frees everything a step makes; what it cannot free is what the user's code still references.
 Those references are the leaks people hit in the field (see shared/seeds/), each with its fix:

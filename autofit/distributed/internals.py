@@ -1,5 +1,5 @@
-"""(Over 300 lines on purpose: one place per outside library's private access, so every such name of
-torch.distributed, each with the short function that reaches it, is here and nowhere else.)
+"""One place per outside library's private access, so every such name of
+torch.distributed, each with the short function that reaches it, is here and nowhere else.
 
 Every private name of torch.distributed that autofit uses, in this one module, and the check of
 all of them (`missing`, `internals_missing`), so a torch that lacks one is refused up front with the

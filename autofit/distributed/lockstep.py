@@ -1,7 +1,7 @@
 """torch.distributed in lockstep: every rank runs the same plan at the same global batch, and none
-can be left waiting in a collective. (Over 300 lines for this docstring: the protocol every rank
+can be left waiting in a collective. The protocol every rank
 keeps is written down once, here; the code is split into agreement, data, decide, replicas, runner
-and fsdp.)
+and fsdp.
 
 The danger is any collective that one rank reaches and another does not: DDP's gradient all-reduce
 inside backward (a rank that runs out of memory in forward never reaches it), the broadcasts of

@@ -1,6 +1,6 @@
 """The retry controller: one global batch, attempted under a plan until one fits.
-(Just over 300 lines: the replay, the step-down, the verdict and the withdrawn moves all read and
-write the one attempt loop's state; split, each part would take that state as arguments.)
+The replay, the step-down, the verdict and the withdrawn moves all read and
+write the one attempt loop's state; split, each part would take that state as arguments.
 
 Each attempt is an `engine.attempt.Attempter` attempt: the OOM is only read inside its `except`
 block; after the block has exited, when no frame of the failed attempt is alive, the runner forgets

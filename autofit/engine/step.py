@@ -1,6 +1,6 @@
 """One global step under a plan: micro-batches, weighting, autocast, scaler, checkpointing, offload.
-(Just over 300 lines: the runner and the switch hooks it calls before each attempt read and set the
-same runner state; each switch's own mechanism lives in its module - checkpointing, offload, fsdp.)
+The runner and the switch hooks it calls before each attempt read and set the
+same runner state; each switch's own mechanism lives in its module - checkpointing, offload, fsdp.
 
 The optimizer, scheduler and grad scaler step once per global batch, and only for a batch whose
 every micro-batch succeeded. Micro-batch losses are weighted by their share of the global batch

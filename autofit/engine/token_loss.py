@@ -1,7 +1,7 @@
 """How micro-batch losses add up to the global batch's loss: by the model's own token count, by
 label tokens, or by rows.
-(Just over 300 lines: the weighting and the two probes that choose it — what the model counts,
-whether it shifts labels — share one probing wrapper around the model's device and call.)
+The weighting and the two probes that choose it — what the model counts,
+whether it shifts labels — share one probing wrapper around the model's device and call.
 
 A token-level loss is a mean over label tokens, so a micro-batch's mean weighs its share of the
 global batch's tokens, not of its rows. Hugging Face models say how they count: a forward that

@@ -1,6 +1,6 @@
 """Capacity: which plans fit a memory budget, and which of those runs fastest.
-(Just over 300 lines: ranking, choosing and the per-rank pricing share the candidates' one
-shape; the cost model is in estimator/cost, the replays in estimator/guide.)
+Ranking, choosing and the per-rank pricing share the candidates' one
+shape; the cost model is in estimator/cost, the replays in estimator/guide.
 
 `rank` estimates plans with fake tensors (`autofit.estimate`) and returns them as `Candidate`s,
 fastest first (by the cost model of `autofit.estimator.cost`); `choose` takes the fastest that fits;

@@ -1,6 +1,6 @@
 """One rank's peak under FSDP2: a model sharded with `torch.distributed.fsdp.fully_shard` over W ranks.
-(Over 300 lines: the fake process group, the unsharded fake copy and FSDP2's hooks on it are set up
-and torn down together; this docstring states what is counted and why.)
+The fake process group, the unsharded fake copy and FSDP2's hooks on it are set up
+and torn down together; this docstring states what is counted and why.
 
 The estimator's mechanism (fake tensors, the simulated GPU's counter, the real `StepRunner`) run
 with FSDP2's own code: the fake copy of the model is sharded by `fully_shard` over a process group

@@ -1,5 +1,5 @@
 """One interface over a CUDA card, the simulated GPU and a plain CPU, so the runner never branches.
-(Just over 300 lines: the interface and its three implementations read best side by side.)
+The interface and its three implementations read best side by side.
 
 `open_device(budget)` picks:
 - a CUDA card when one is present (a budget is enforced with `set_per_process_memory_fraction`,
@@ -7,8 +7,6 @@
 - the simulated GPU of an enclosing `simulate_gpu(...)` block, or a new one when a budget is given
   on a machine without CUDA;
 - else the plain CPU, where nothing is counted and nothing can run out of memory in our sense.
-
-Just over 300 lines: three devices behind one interface, each a handful of one-line counters.
 """
 
 from __future__ import annotations

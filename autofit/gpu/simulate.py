@@ -1,6 +1,6 @@
 """Simulated GPU: a memory budget enforced on CPU tensors, allocated as CUDA's caching allocator does.
-(Over 300 lines: the budget object, the dispatch mode that counts and the storage-death and resize
-watches are one mechanism whose bookkeeping must agree; the allocator rules are in `allocator`.)
+The budget object, the dispatch mode that counts and the storage-death and resize
+watches are one mechanism whose bookkeeping must agree; the allocator rules are in `allocator`.
 
 A TorchDispatchMode sees every op; each new storage an op returns is counted (rounded up to 512
 bytes like the CUDA caching allocator) until its Python object dies, which a weak reference reports.

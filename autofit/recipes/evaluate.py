@@ -1,5 +1,5 @@
 """Evaluation: the model's loss (and metrics) on held-out data, with its own batch size and OOM ladder.
-(Over 300 lines: the evaluator's loop, its attempt, its ladder and its metric checks read as one.)
+The evaluator's loop, its attempt, its ladder and its metric checks read as one.
 
 Evaluation never trains (guarantee 5): it runs in `torch.inference_mode()` with the model in eval
 mode, creates no gradient, never touches the optimizer, and never changes the training plan. It has

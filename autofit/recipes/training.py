@@ -1,6 +1,6 @@
 """The setup one training job needs, shared by `autofit.run` and `autofit.stepper`.
-(Over 300 lines: setup, start, each global batch and cleanup are one object's life and share its
-state; the parts that stand alone live in their own modules: options, layout, kept, the lockstep.)
+Setup, start, each global batch and cleanup are one object's life and share its
+state; the parts that stand alone live in their own modules: options, layout, kept, the lockstep.
 
 setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
 model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the

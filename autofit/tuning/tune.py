@@ -1,6 +1,6 @@
 """autofit.tune (this module: autofit.tuning.tune): measure the plans the estimator says fit, and cache the fastest for autofit.run.
-(Just over 300 lines: the three entry points — tune, tune_on, tune_for_run — and the optuna
-objective share the placement and RNG guards kept here; options and verdicts have their own modules.)
+The three entry points — tune, tune_on, tune_for_run — and the optuna
+objective share the placement and RNG guards kept here; options and verdicts have their own modules.
 
 The search space
 ----------------
