@@ -146,9 +146,9 @@ def main(argv=None) -> int:
 def entry() -> None:
     """The `autofit` console script."""
     # The imports (torch, transformers) leave about a million long-lived objects, which every full
-    # collection during a probe's fake walks would scan again (about 1 s of a BERT-base probe):
+    # collection during a probe's fake walks would scan again (a large share of a BERT-base probe: benchmarks/README.md, probe_speed.py):
     # a short-lived process keeps them out of the collector, and runs no automatic collection at
-    # all (0.3 s more of a probe, for 12 MB; an attempt's recovery collects by itself, gpu/oom).
+    # all (a little more time saved, for a few MB; an attempt's recovery collects by itself, gpu/oom).
     # `main` (the library's way in) leaves the collector alone.
     gc.freeze()
     gc.disable()

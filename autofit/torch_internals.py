@@ -185,7 +185,7 @@ def op_schema(func):
 
 def skip_dynamo(fn) -> bool:
     """Mark `fn` so torch.compile's frame evaluation runs it, and the frames it calls, as they are
-    (what torch._disable_dynamo does with a wrapper costing about 1 us per op). False where this
+    (what torch._disable_dynamo does with a wrapper around every op). False where this
     torch has no such switch (then the counter is only slower under torch.compile)."""
     try:
         from torch._C._dynamo import eval_frame

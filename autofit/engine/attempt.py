@@ -149,7 +149,7 @@ class Attempter:
             self.free()
         model, optimizer = self.owner()
         # Cycles are collected only as far as memory is above the baseline (a full collection
-        # costs 0.2-0.9 s with transformers loaded); `check` then reads the same memory.
+        # scans every object transformers left: slow); `check` then reads the same memory.
         settled = (lambda: self.above(baseline, owned) <= 0) if self.device.counts else None
         release(self.device, model=model, optimizer=optimizer, settled=settled)
         self.check(baseline, owned)

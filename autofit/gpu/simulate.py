@@ -383,7 +383,7 @@ def _count(self, func, types, args=(), kwargs=None):
 
 def _skipped_by_dynamo(fn) -> bool:
     """Mark `fn` so that torch.compile's frame evaluation runs it, and the frames it calls, as they
-    are (what torch._disable_dynamo ensures with a wrapper that costs about 1 us on every op).
+    are (what torch._disable_dynamo ensures with a wrapper around every op).
     False where this torch has no such switch."""
     return ti.skip_dynamo(fn)
 

@@ -67,7 +67,7 @@ def free_attempt(trainer, owns_optimizer: bool) -> None:
     trainer.model_wrapped = trainer.model
     # What Accelerator.free_memory() does outside DeepSpeed (refused by `train`): its lists of prepared
     # models, optimizers, schedulers and loaders emptied; without the full gc.collect() it ends
-    # with (0.2-0.9 s with transformers loaded): `oom.release` collects no further than needed.
+    # with (slow with transformers loaded): `oom.release` collects no further than needed.
     accelerator = trainer.accelerator
     accelerate_internals.forget_prepared(accelerator)
     accelerator.step = 0

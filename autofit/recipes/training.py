@@ -318,7 +318,7 @@ class Training:
         if self.guide is not None:
             self.guide.estimator = None  # its fake copies of the model and optimizer
         # Collected only while the device holds more outside the model and optimizer than before
-        # the run (a full collection costs 0.2-0.9 s with transformers loaded): gpu.oom.collect.
+        # the run (a full collection scans every object transformers left: slow): gpu.oom.collect.
         before = getattr(self, "outside_before", None)
         collect(None if before is None else lambda: self._outside() <= before)
         self.device.empty_cache()
