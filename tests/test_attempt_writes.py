@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autofit
+from reference import plain_loop_fn
 
 
 class MoE(nn.Module):
@@ -59,18 +60,6 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def plain_loop(model, data, micro_sizes):
-    opt = sgd(model.parameters())
-    for batch, micro in zip(data, micro_sizes):
-        n = len(batch["y"])
-        for i in range(0, n, micro):
-            part = {k: v[i:i + micro] for k, v in batch.items()}
-            (loss_fn(model, part) * (len(part["y"]) / n)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model
-
-
 def test_an_aux_loss_kept_as_an_attribute_is_dropped_with_its_failed_attempt():
     """At 90,000 B the whole batch of 64 runs out of memory in its first attempt while `l_aux`
     holds that forward's graph (14 KiB: the gate's activations); autofit drops it with the start
@@ -81,7 +70,8 @@ def test_an_aux_loss_kept_as_an_attribute_is_dropped_with_its_failed_attempt():
     tried = [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
     assert tried == [(0, 64, "oom"), (0, 32, "ok"), (1, 48, "ok"), (2, 56, "oom"), (2, 48, "ok")]
     finals = [h["plan"].micro_batch_size for h in result.history]
-    reference = plain_loop(Net(), batches(), finals)
+    model = Net()
+    reference = plain_loop_fn(model, batches(), finals, loss_fn, sgd(model.parameters()))
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
 
