@@ -70,8 +70,8 @@ def test_an_aux_loss_kept_as_an_attribute_is_dropped_with_its_failed_attempt():
     tried = [(a.step, a.plan.micro_batch_size, a.outcome) for a in result.attempts]
     assert tried == [(0, 64, "oom"), (0, 32, "ok"), (1, 48, "ok"), (2, 56, "oom"), (2, 48, "ok")]
     finals = [h["plan"].micro_batch_size for h in result.history]
-    model = Net()
-    reference = plain_loop_fn(model, batches(), finals, loss_fn, sgd(model.parameters()))
+    fresh = Net()
+    reference = plain_loop_fn(fresh, batches(), finals, loss_fn, sgd(fresh.parameters()))
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
 
