@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autofit.sizes import format_size
+from autofit.sizes import format_breakdown, format_size
 
 
 def chain(error: BaseException | None):
@@ -42,8 +42,6 @@ class DoesNotFit(RuntimeError):
         if self.breakdown:
             label = "memory at the last failure" if self.attempts else \
                 f"estimated peak of the leanest plan ({plan.describe()})" if plan else "estimated peak"
-            from autofit.gpu.memory import format_breakdown  # memory imports the simulator, which raises ours
-
             lines.append(f"{label}: " + format_breakdown(self.breakdown, budget))
         if self.attempts:
             lines.append("plans tried:")

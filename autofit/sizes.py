@@ -52,3 +52,11 @@ def format_size(nbytes: int | float) -> str:
         if nbytes >= scale:
             return f"{sign}{nbytes / scale:.2f} {unit}"
     return f"{sign}{int(nbytes)} bytes"
+
+
+def format_breakdown(breakdown: dict, budget: int | None = None) -> str:
+    """"1.2 GiB of a 2 GiB budget (params 400 MiB, grads ...)": bytes by kind, for messages."""
+    parts = [f"{k} {format_size(v)}" for k, v in breakdown.items()]
+    total = sum(breakdown.values())
+    tail = f" of a {format_size(budget)} budget" if budget else ""
+    return f"{format_size(total)}{tail} ({', '.join(parts)})"

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the zoo's builders are shared
 
 from models import zoo  # noqa: E402
 
-from autofit.engine.batches import rows_of, token_counter  # noqa: E402
+from autofit.engine.batches import rows_of  # noqa: E402
+from autofit.engine.token_loss import token_counter  # noqa: E402
 from autofit.gpu.device import SimulatedDevice  # noqa: E402
 from autofit.estimator.estimate import estimate  # noqa: E402
 from autofit.plans.plan import Plan  # noqa: E402

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import BatchEncoding, XLNetConfig, XLNetLMHeadModel
 
-from autofit.engine.batches import IGNORE_INDEX, rows_of, dataset_batches, slice_batch, split, token_counter, weights
+from autofit.engine.batches import IGNORE_INDEX, rows_of, dataset_batches, slice_batch, split, weights
+from autofit.engine.token_loss import token_counter
 from models import bert_batch, gpt2_batch, tiny_bert, tiny_gpt2
 
 Pair = collections.namedtuple("Pair", ["inputs", "targets"])

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from autofit.engine.batches import token_counter
+from autofit.engine.token_loss import token_counter
 from autofit.gpu.device import SimulatedDevice
 from autofit.estimator.estimate import Estimator, MemoryEstimate, estimate
-from autofit.gpu.memory import KINDS, format_breakdown
+from autofit.gpu.memory import KINDS
+from autofit.sizes import format_breakdown
 from autofit.plans.plan import Plan
 from autofit.gpu.simulate import round_bytes, simulate_gpu
 from autofit.engine.step import StepRunner

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import autofit
 from autofit.estimator import capacity
-from autofit.engine.batches import token_counter
+from autofit.engine.token_loss import token_counter
 from autofit.gpu.device import SimulatedDevice
 from autofit.estimator.data_dependent import TORCH_LOGGERS
 from autofit.estimator.estimate import estimate

@@ -47,3 +47,44 @@ def test_each_layer_imports_only_the_layers_before_it():
                 if other in rank and rank[other] > rank[layer] and (module, other) not in EXCEPTIONS:
                     wrong.append(f"{module} imports {node.module}")
     assert wrong == []
+
+
+# The one import cycle left, through imports inside functions: the estimator's base class falls back
+# to its own subclasses (real rows: sampled; derived blocks: tiling, traced; FSDP2's walk: sharded).
+# Shrink this to [] when the estimator's front (which walk to take) is split from the fake walk.
+KNOWN_CYCLES = [["autofit.estimator.estimate", "autofit.estimator.sampled", "autofit.estimator.sharded",
+                 "autofit.estimator.tiling", "autofit.estimator.traced"]]
+
+
+def _imports_of(path: pathlib.Path, modules: set) -> set:
+    """The autofit modules `path` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autofit"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("autofit")}
+    return found & modules
+
+
+def import_cycles() -> list[list[str]]:
+    """Each set of autofit modules that import one another in a circle (strongly connected, sorted)."""
+    paths = {".".join(("autofit",) + p.relative_to(ROOT / "autofit").with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "autofit").rglob("*.py")}
+    graph = {m: _imports_of(p, set(paths)) - {m, "autofit"} for m, p in paths.items()}
+    reach = {m: set() for m in graph}
+    for start in graph:  # every module each one reaches (the graph is small: a walk from each)
+        stack = list(graph[start])
+        while stack:
+            m = stack.pop()
+            if m not in reach[start]:
+                reach[start].add(m)
+                stack.extend(graph[m])
+    cycles = {tuple(sorted(m for m in graph if m in reach[start] and start in reach[m])) for start in graph}
+    return sorted(list(c) for c in cycles if c)
+
+
+def test_no_import_cycle_but_the_estimators_known_one():
+    assert import_cycles() == KNOWN_CYCLES

@@ -220,7 +220,7 @@ def test_a_loss_fn_over_a_plain_model_counts_labels_or_rows():
 
 
 def test_evaluation_counts_the_labels_of_a_wrapped_causal_lm_shifted():
-    from autofit.engine.batches import token_counter
+    from autofit.engine.token_loss import token_counter
     batch = gpt2_batch(rows=4, seq=8)
     batch["labels"] = batch["input_ids"].clone()
     assert token_counter(Compiled(tiny_gpt2()))(batch) == 4 * 7

@@ -54,7 +54,7 @@ def cmd_demo(args) -> int:
             out()
             print(f"autofit: does not fit: {str(e).splitlines()[0]}", file=sys.stderr)
             if e.breakdown:
-                from autofit.gpu.memory import format_breakdown
+                from autofit.sizes import format_breakdown
                 print(f"autofit: memory at the last failure: {format_breakdown(e.breakdown, budget)}",
                       file=sys.stderr)
             return EXIT_DOES_NOT_FIT

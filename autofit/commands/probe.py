@@ -207,7 +207,7 @@ def _probe_report(args, result: dict, shown) -> int:
         if result["reason"]:
             print(f"autofit: does not fit: {result['reason']}", file=sys.stderr)
         return code
-    from autofit.gpu.memory import format_breakdown
+    from autofit.sizes import format_breakdown
     from autofit.diagnosis.report import key_values, table
     out(key_values([
         ("model", f"{result['model']} ({result['model_class']}, "

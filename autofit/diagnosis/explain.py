@@ -18,7 +18,7 @@ from typing import Protocol
 from autofit.diagnosis.fixes import fixes_for, withheld
 from autofit.plans import switches
 from autofit.plans.coupling import describe as describe_coupling
-from autofit.gpu.memory import format_breakdown
+from autofit.sizes import format_breakdown
 from autofit.plans import precision as precisions
 from autofit.sizes import format_size
 

@@ -187,26 +187,6 @@ def labels_of(batch):
     return None
 
 
-def token_counter(model, device=None) -> "callable | None":
-    """For token-level losses: a function counting the label tokens a batch contributes.
-
-    A model whose loss shifts labels by one (next-token prediction) never counts a row's first
-    label; the model says so itself (`token_loss.shifts_labels`, asked at the first batch with
-    per-token labels, rows moved with `device`, an autofit device, or where the model is). Serves
-    evaluation and throughput, on the module inside torch.compile/DDP wrappers.
-    """
-    from autofit.engine.token_loss import shifts_labels  # token_loss builds on this module
-
-    def count(batch):
-        labels = labels_of(batch)
-        if labels is None or labels.dim() < 2 or labels.is_floating_point():
-            return None
-        if shifts_labels(model, batch, device):
-            labels = labels[..., 1:]
-        return int((labels != IGNORE_INDEX).sum())
-    return count
-
-
 def weights(batch, parts: list, count_tokens=None) -> list[float]:
     """Each micro-batch's share of the global batch: label tokens when the loss is per token, else rows."""
     if count_tokens is not None:

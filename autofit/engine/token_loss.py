@@ -176,6 +176,24 @@ def probe_counting(model, batch, device) -> str | None:
 _SHIFTS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
+def token_counter(model, device=None) -> "callable | None":
+    """For token-level losses: a function counting the label tokens a batch contributes.
+
+    A model whose loss shifts labels by one (next-token prediction) never counts a row's first
+    label; the model says so itself (`shifts_labels`, asked at the first batch with
+    per-token labels, rows moved with `device`, an autofit device, or where the model is). Serves
+    evaluation and throughput, on the module inside torch.compile/DDP wrappers.
+    """
+    def count(batch):
+        labels = labels_of(batch)
+        if labels is None or labels.dim() < 2 or labels.is_floating_point():
+            return None
+        if shifts_labels(model, batch, device):
+            labels = labels[..., 1:]
+        return int((labels != IGNORE_INDEX).sum())
+    return count
+
+
 def shifts_labels(model, batch, device=None, call=None) -> bool:
     """Whether the model's own loss shifts per-token labels by one (next-token prediction), so a
     row's first label never counts. Found by asking the model, not its class name, once per model:

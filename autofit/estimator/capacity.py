@@ -46,7 +46,7 @@ from autofit.estimator.cost import candidate_plans, plan_cost
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.sharded import ShardedEstimator, sharding_of
 from autofit.plans.sizelog import config_of
-from autofit.gpu.memory import format_breakdown
+from autofit.sizes import format_breakdown
 from autofit.gpu.oom import summarize
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan

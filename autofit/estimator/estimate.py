@@ -90,7 +90,8 @@ from autofit.estimator.fakes import (
 )
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.recorded import RecordingAllocator, replay_capped
-from autofit.gpu.memory import KINDS, format_breakdown, storage_bytes
+from autofit.gpu.memory import KINDS, storage_bytes
+from autofit.sizes import format_breakdown
 from autofit.gpu.workspaces import Workspaces
 from autofit.plans import precision as precisions
 from autofit.plans import switches

@@ -6,7 +6,6 @@ import torch
 
 from autofit import torch_internals as ti
 from autofit.gpu.simulate import inner_tensors, round_bytes
-from autofit.sizes import format_size
 
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
@@ -58,8 +57,3 @@ def by_kind(device, model, optimizer=None, batch_bytes: int = 0) -> dict:
     return {k: out[k] for k in KINDS}
 
 
-def format_breakdown(breakdown: dict, budget: int | None = None) -> str:
-    parts = [f"{k} {format_size(v)}" for k, v in breakdown.items()]
-    total = sum(breakdown.values())
-    tail = f" of a {format_size(budget)} budget" if budget else ""
-    return f"{format_size(total)}{tail} ({', '.join(parts)})"

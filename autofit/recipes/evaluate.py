@@ -40,7 +40,8 @@ import torch
 
 from autofit import torch_internals as ti
 from autofit.engine.attempt import Attempter, Outcome, outside, until_fits
-from autofit.engine.batches import slice_batch, token_counter
+from autofit.engine.batches import slice_batch
+from autofit.engine.token_loss import token_counter
 from autofit.engine.interfaces import Batch, Data, Device, LossFn, MetricFn, Pace, Size
 from autofit.engine.kept import copied, joined
 from autofit.engine.layout import Layout

@@ -23,7 +23,8 @@ import torch
 
 from autofit.plans import precision as precisions
 from autofit.plans import switches
-from autofit.engine.batches import rows_of, token_counter, tokens_per_row
+from autofit.engine.batches import rows_of, tokens_per_row
+from autofit.engine.token_loss import token_counter
 from autofit.estimator.capacity import rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost
 from autofit.engine.controller import Controller
