@@ -88,6 +88,10 @@ class Device:
         made to measure its own windows (gpu/peaks)."""
         return max(self._peaks[0], self.max_memory_allocated()), max(self._peaks[1], self.max_memory_reserved())
 
+    def keep_peak(self, peak: int) -> None:
+        """The allocated-peak counter raised back to `peak` when it reads less (gpu/peaks)."""
+        restore_peak(self, peak)
+
     def start_run_peaks(self) -> int:
         """The run's peaks counted from now (the counters reset, the maxima before forgotten);
         returns the allocated peak read before, to put back at the end (gpu/peaks)."""
@@ -188,6 +192,9 @@ class SimulatedDevice(Device):
     def reset_peak_memory_stats(self):
         self._fold_peaks()
         self.gpu.reset_peak_memory_stats()
+
+    def keep_peak(self, peak: int) -> None:
+        self.gpu.raise_peak(peak)
 
     def empty_cache(self):
         self.gpu.empty_cache()
@@ -354,7 +361,7 @@ def _peak_kept(device):
     try:
         yield device
     finally:
-        restore_peak(device, max(before, device.run_peaks()[0]))
+        device.keep_peak(max(before, device.run_peaks()[0]))
 
 
 @contextlib.contextmanager

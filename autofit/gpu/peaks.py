@@ -7,9 +7,10 @@ read the peak of a window on CUDA. Each reset would wipe the maximum a user read
 device folds its peaks into the run's maxima before every reset (`Device.run_peaks`), and when the
 device is closed the allocated-peak counter is raised back to the run's maximum by a transient
 allocation of the difference, freed at once (`restore_peak`): the user reads what they would have
-read had autofit never reset anything. On the simulated GPU that is exact (every size is a multiple
-of 512 bytes); on CUDA the difference is allocated as whole 2 MiB segments plus blocks of at most
-1 MiB, which the caching allocator hands out at their exact size after the cache is emptied.
+read had autofit never reset anything. On CUDA the difference is allocated as whole 2 MiB segments
+plus blocks of at most 1 MiB, which the caching allocator hands out at their exact size after the
+cache is emptied. The simulated GPU's counter is autofit's own and is set instead
+(`Device.keep_peak`): an allocation there would be one more for fault injection to count.
 """
 
 from __future__ import annotations

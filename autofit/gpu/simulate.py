@@ -119,6 +119,12 @@ class SimulatedGPU:
         self._peak = self._allocated
         self.allocator.reset_peak()
 
+    def raise_peak(self, peak: int) -> None:
+        """The allocated-peak counter reads at least `peak` (a run's maximum, put back after autofit's
+        own resets: gpu/peaks). Set, not allocated: the counter is this object's own, and an
+        allocation would be one more for fault injection to count, which training never made."""
+        self._peak = max(self._peak, peak)
+
     @property
     def allocation_count(self) -> int:
         """How many storages have been allocated on this GPU so far (fault injection counts these)."""
