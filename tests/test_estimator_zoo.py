@@ -177,7 +177,7 @@ def batch_size_of(batch) -> int:
 # -- the zoo: every family trains in `run` with the capacity check on ----------------------------
 
 # Every family is followed on fake tensors (Mixtral's fp32 experts too: the grouped matmul's meta
-# kernel is widened while an estimate runs, autofit.estimator.meta_kernels); the sampled path is
+# kernel's fp32 calls are answered by the estimator, autofit.estimator.meta_kernels); the sampled path is
 # tested above with a kernel of the test's own.
 
 @pytest.mark.parametrize("name", sorted(zoo()))

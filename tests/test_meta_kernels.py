@@ -1,10 +1,11 @@
-"""Meta kernels stricter than the real ones, widened while an estimate walks: a fp32 mixture-of-experts
+"""Meta kernels stricter than the real ones, answered in the estimator's dispatch: a fp32 mixture-of-experts
 model (transformers' grouped_mm experts) is estimated on fake tensors, exactly, and torch's own meta
 kernel is back afterwards."""
 
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autofit.estimator import meta_kernels
 from autofit.estimator.estimate import estimate
@@ -25,6 +26,16 @@ def moe():
 def moe_batch():
     ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Substituted(TorchDispatchMode):
+    """Ops on meta tensors answered as the estimator's counting dispatch answers them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        swapped = meta_kernels.substitute(func, args, kwargs)
+        if swapped is not None:
+            func, args, kwargs = swapped
+        return func(*args, **(kwargs or {}))
 
 
 def meta(*shape, dtype=torch.float32):
@@ -66,14 +77,14 @@ def test_the_widened_kernel_follows_the_real_kernels_shapes(a, b, offs, shape, f
     offs = None if offs is None else meta(offs, dtype=torch.int32)
     # rows padded to 16 bytes, as CUDA allocates them: 4 fp32 or 8 fp16 columns at a time
     for dtype, stride in ((torch.float32, fp32_stride), (torch.float16, fp16_stride)):
-        with meta_kernels.widened():
+        with Substituted():
             out = torch._grouped_mm(meta(*a, dtype=dtype), meta(*b, dtype=dtype), offs=offs)
         assert (tuple(out.shape), out.dtype, out.stride()) == (shape, dtype, stride)
 
 
 def test_bf16_is_torchs_own_kernel_inside_as_outside():
     a, b, offs = meta(16, 8, dtype=torch.bfloat16), meta(2, 8, 16, dtype=torch.bfloat16), meta(2, dtype=torch.int32)
-    with meta_kernels.widened():
+    with Substituted():
         inside = torch._grouped_mm(a, b, offs=offs)
         # and torch's checks with it: bf16 rows must be 16-byte aligned for the fast kernel
         with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
@@ -84,7 +95,7 @@ def test_bf16_is_torchs_own_kernel_inside_as_outside():
 
 
 def test_mixed_operands_are_still_refused():
-    with meta_kernels.widened(), pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+    with Substituted(), pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
         torch._grouped_mm(meta(5, 8), meta(2, 8, 4, dtype=torch.float16), offs=meta(2, dtype=torch.int32))
 
 
@@ -101,9 +112,9 @@ def test_an_estimate_registers_no_kernel_with_torchs_dispatcher(monkeypatch):
     assert (got.method, got.peak_bytes) == ("fake", simulated_peak(moe(), batch, Plan(8)))
 
 
-def test_outside_the_estimator_the_widened_mode_answers_as_the_estimate_does():
+def test_the_substitute_answers_only_the_calls_torchs_meta_kernel_refuses():
     offs = meta(2, dtype=torch.int32)
-    with meta_kernels.widened():
+    with Substituted():
         out = torch._grouped_mm(meta(10, 8), meta(2, 8, 6), offs=offs)
     assert (tuple(out.shape), out.dtype, out.stride(), out.device.type) == ((10, 6), torch.float32, (8, 1), "meta")
     assert meta_kernels.substitute(torch.ops.aten.mm.default, (meta(2, 2), meta(2, 2)), {}) is None

@@ -41,6 +41,15 @@ def _global_rows(world: int, shards=shares_ranks.SHARD_ROWS) -> list[int]:
     return [sum(min(shares_ranks.BATCH, n - i) for n in rows) for i in range(0, max(rows), shares_ranks.BATCH)]
 
 
+def assert_equals_plain(params, scenario: str, tolerance: float = 0.0) -> None:
+    """Every rank's parameters after `scenario` equal (bitwise, or within `tolerance`) those of the
+    plain distributed loop that weights by global rows, run on the same rank."""
+    for r, mine in enumerate(params):
+        for k, v in mine[scenario].items():
+            plain = mine[scenario + "/plain"][k]
+            assert (torch.equal(v, plain) if tolerance == 0 else (v - plain).abs().max().item() <= tolerance), (r, k)
+
+
 @pytest.mark.parametrize("scenario", ["stepper", "run"])
 def test_unequal_shares_train_to_the_end_equal_to_the_plain_loop(ranks, scenario):
     world, seen, params = ranks
@@ -48,10 +57,9 @@ def test_unequal_shares_train_to_the_end_equal_to_the_plain_loop(ranks, scenario
     expected = [[s, 8, 1, "ok"] for s in range(4)] + [[4, 5, 1, "ok"]]
     assert [s[scenario]["attempts"] for s in seen] == [expected] * world
     assert [s[scenario]["samples"] for s in seen] == [_global_rows(world)] * world
-    for r in range(world):
-        for k, v in params[r][scenario].items():
-            assert torch.equal(v, params[r][scenario + "/plain"][k]), (r, k)
-            assert torch.equal(v, params[0][scenario][k]), (r, k)
+    assert_equals_plain(params, scenario)
+    for r in range(world):  # and the ranks hold one model
+        assert all(torch.equal(v, params[0][scenario][k]) for k, v in params[r][scenario].items()), r
 
 
 def test_first_shares_that_differ_in_rows_start_every_rank_on_the_plan_of_the_largest(ranks):
@@ -63,18 +71,14 @@ def test_first_shares_that_differ_in_rows_start_every_rank_on_the_plan_of_the_la
     assert [s["short_first"]["attempts"] for s in seen] == [expected] * world
     assert [s["short_first"]["samples"] for s in seen] == \
         [_global_rows(world, shares_ranks.SHORT_FIRST_ROWS)[::-1]] * world
-    for r in range(world):
-        for k, v in params[r]["short_first"].items():
-            assert torch.equal(v, params[r]["short_first/plain"][k]), (r, k)
+    assert_equals_plain(params, "short_first")
 
 
 def test_a_one_rank_oom_steps_every_rank_down_at_the_same_global_batch(ranks):
     world, seen, params = ranks
     expected = [[s, 8, 1, "ok"] for s in range(4)] + [[4, 5, 1, "oom"], [4, 5, 1, "oom"], [4, 2, 3, "ok"]]
     assert [s["oom"]["attempts"] for s in seen] == [expected] * world
-    for r in range(world):
-        for k, v in params[r]["oom"].items():
-            assert torch.equal(v, params[r]["oom/plain"][k]), (r, k)
+    assert_equals_plain(params, "oom")
 
 
 def test_fsdp2_pads_the_shorter_shares_micro_batches_and_equals_the_plain_loop(ranks):
@@ -83,9 +87,7 @@ def test_fsdp2_pads_the_shorter_shares_micro_batches_and_equals_the_plain_loop(r
     world, seen, params = ranks
     expected = [[s, 8, 1, "ok"] for s in range(4)] + [[4, 5, 1, "oom"], [4, 5, 1, "oom"], [4, 2, 3, "ok"]]
     assert [s["sharded"]["attempts"] for s in seen] == [expected] * world
-    for r in range(world):
-        for k, v in params[r]["sharded"].items():
-            assert (v - params[r]["sharded/plain"][k]).abs().max().item() <= 1e-6, (r, k)
+    assert_equals_plain(params, "sharded", tolerance=1e-6)
 
 
 def test_a_different_number_of_batches_is_the_error_at_the_first_step_that_shows_it(ranks):

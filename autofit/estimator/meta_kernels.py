@@ -14,8 +14,7 @@ Nothing is registered with torch's dispatcher: the estimator's counting mode, wh
 before the fake mode does, asks `substitute` for the call it should make instead. torch 2.10-2.12
 refuse a second Python kernel for an op (unless `allow_override=True`, a keyword torch 2.4 lacks),
 and a kernel registered process-wide would also be seen by the user's own code: a dispatch-time
-answer needs neither and works on every torch. `widened()` pushes the same answer as a dispatch mode
-of its own, for code that runs ops on fake or meta tensors outside the estimator's modes.
+answer needs neither and works on every torch.
 """
 
 from __future__ import annotations
@@ -64,17 +63,7 @@ def substitute(func, args, kwargs):
     """The call to make instead of `func(*args, **kwargs)` where torch's meta kernel is stricter
     than the real kernels, as (op, args, kwargs); None (run `func` itself) for every other call.
     One identity test per op: the counting modes call it on every op."""
-    if func is not GROUPED_MM or GROUPED_MM is None:
+    if func is not GROUPED_MM:  # (None on a torch without the op: no op is None)
         return None
     return _grouped_mm_output(*args, **(kwargs or {}))
 
-
-class widened(ti.TorchDispatchMode):
-    """While inside, ops on fake or meta tensors get `substitute`'s answers (ops run outside the
-    estimator's counting modes; those ask `substitute` themselves)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        swapped = substitute(func, args, kwargs)
-        if swapped is not None:
-            func, args, kwargs = swapped
-        return func(*args, **(kwargs or {}))
