@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from spawn import spawn_ranks
+from versions import needs_fsdp2_runs
 
 import shares_ranks
 from shares_ranks import worker
@@ -81,6 +82,7 @@ def test_a_one_rank_oom_steps_every_rank_down_at_the_same_global_batch(ranks):
     assert_equals_plain(params, "oom")
 
 
+@needs_fsdp2_runs
 def test_fsdp2_pads_the_shorter_shares_micro_batches_and_equals_the_plain_loop(ranks):
     # The last global batch at micro-batch 2: 3 micro-batches on the 5-row share, 2 and 1 on the
     # others, which run their first row again weighted 0 so that FSDP's collectives pair.
