@@ -98,24 +98,42 @@ def test_the_walk_ends_when_nothing_is_left_or_after_max_attempts(device):
 
 
 def test_tenacity_is_entered_only_after_a_first_failure(monkeypatch):
-    """A global batch that fits costs one call: the retry loop is built and entered only once an
-    attempt has failed; the attempts and their count are the same either way."""
+    """A global batch that fits costs one call: tenacity's Retrying is built and entered only once
+    an attempt has failed; the attempts and their count are the same either way."""
     entered = []
-    made = attempt_module._retrying
 
-    def counted(max_attempts):
-        entered.append(max_attempts)
-        return made(max_attempts)
-    monkeypatch.setattr(attempt_module, "_retrying", counted)
+    class Counted(attempt_module.Retrying):
+        def __call__(self, *args, **kwargs):
+            entered.append(1)
+            return super().__call__(*args, **kwargs)
+    monkeypatch.setattr(attempt_module, "Retrying", Counted)
     results = iter([Outcome(False), Outcome(False), Outcome(True, value=3)])
     seen = []
     assert until_fits(lambda: Outcome(True, value=1), seen.append).value == 1
     assert entered == [] and seen == []
     last = until_fits(lambda: next(results), lambda outcome: seen.append(outcome) or True, max_attempts=5)
-    assert (last.ok, last.value, len(seen), entered) == (True, 3, 2, [4])
-    results = iter([Outcome(False), Outcome(False)])
-    assert until_fits(lambda: next(results), lambda outcome: True, max_attempts=2).ok is False
-    assert entered == [4, 1]
+    assert (last.ok, last.value, len(seen), entered) == (True, 3, 2, [1])
+    tries = []
+    last = until_fits(lambda: tries.append(1) or Outcome(False), lambda outcome: True, max_attempts=2)
+    assert (last.ok, len(tries), entered) == (False, 2, [1, 1])
+
+
+def test_the_walk_passes_the_search_state_from_each_step_down_to_the_next_attempt():
+    """`walk` attempts each state the step-down returned, in order, and returns the state it would
+    attempt next: None when the step-down left nothing, the untried one when the cap ended it."""
+    attempted = []
+
+    def once(state):
+        attempted.append(state)
+        return Outcome(state == 2, value=state)
+    outcome, state = attempt_module.walk(once, lambda state, outcome: state // 2, 8)
+    assert (attempted, outcome.value, state) == ([8, 4, 2], 2, 2)
+    attempted.clear()
+    outcome, state = attempt_module.walk(once, lambda state, outcome: state - 2 if state > 4 else None, 9)
+    assert (attempted, outcome.ok, state) == ([9, 7, 5, 3], False, None)
+    attempted.clear()
+    outcome, state = attempt_module.walk(once, lambda state, outcome: state + 2, 1, max_attempts=3)
+    assert (attempted, outcome.ok, state) == ([1, 3, 5], False, 7)
 
 
 def test_only_oom_is_caught_and_nothing_is_released_for_other_errors(device, monkeypatch):

@@ -15,7 +15,6 @@ recovery (`integrations/hf_recovery`, `integrations/hf_eval`) all go through the
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -214,40 +213,58 @@ class Attempter:
         return self._owned_at[1]
 
 
+def walk(once, step_down, state, *, max_attempts: int | None = None):
+    """Attempt until one fits: `once(state) -> Outcome` tries the state's plan; after a failed
+    attempt `step_down(state, outcome)` records it and returns the state to attempt next, or None
+    when nothing is left to try. Returns (the last outcome, the state that would be attempted next:
+    None when the walk ended for want of one). Other errors propagate.
+
+    The first attempt runs plainly, so a global batch that fits costs one call; after a failure
+    tenacity's `Retrying` is the loop: it retries while the outcome is a failure, its `after` hook
+    is the step-down, and it stops when the step-down left nothing or after `max_attempts` in all."""
+    outcome = once(state)
+    if outcome.ok:
+        return outcome, state
+    walked = _Walked(step_down, step_down(state, outcome))
+    if walked.state is None or max_attempts == 1:
+        return outcome, walked.state
+    stop = _NothingLeft(walked)
+    if max_attempts is not None:
+        stop = stop | stop_after_attempt(max_attempts - 1)
+    retrying = Retrying(retry=retry_if_result(lambda outcome: not outcome.ok), after=walked.after, stop=stop,
+                        wait=wait_none(), sleep=lambda _: None, reraise=True,
+                        retry_error_callback=lambda retry_state: retry_state.outcome.result())
+    return retrying(lambda: once(walked.state)), walked.state
+
+
+class _Walked:
+    """The state a walk attempts next, as its step-downs leave it."""
+
+    def __init__(self, step_down, state):
+        self.step_down, self.state = step_down, state
+
+    def after(self, retry_state) -> None:
+        """tenacity's `after` hook, run after each failed attempt: the step-down."""
+        self.state = self.step_down(self.state, retry_state.outcome.result())
+
+
 class _NothingLeft(stop_base):
-    """Stop when the walk's `after_oom` said there is nothing left (its flag is the first argument
-    of the attempt, so one Retrying serves every walk)."""
+    """Stop when the last step-down left nothing to attempt."""
+
+    def __init__(self, walked: _Walked):
+        self.walked = walked
 
     def __call__(self, retry_state) -> bool:
-        return not retry_state.args[0]["left"]
-
-
-@functools.lru_cache(maxsize=None)
-def _retrying(max_attempts: int | None) -> Retrying:
-    stop = _NothingLeft() if max_attempts is None else _NothingLeft() | stop_after_attempt(max_attempts)
-    return Retrying(retry=retry_if_result(lambda outcome: not outcome.ok), stop=stop, wait=wait_none(),
-                    sleep=lambda _: None, reraise=True, retry_error_callback=lambda state: state.outcome.result())
-
-
-def _attempt(walk: dict, once, after_oom) -> Outcome:
-    outcome = once()
-    if not outcome.ok:
-        walk["left"] = bool(after_oom(outcome))
-    return outcome
+        return self.walked.state is None
 
 
 def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
-    """Attempt with `once() -> Outcome` until one fits. After each out-of-memory outcome,
-    `after_oom(outcome)` records it and sets up the next attempt (a step down), returning False
-    when there is nothing left to try. Returns the last outcome: the one that fitted, or the
-    failure that ended the walk (also after `max_attempts`). Other errors propagate.
-    The first attempt runs plainly: tenacity's loop is entered only after a failure, so a global
-    batch that fits costs one call."""
-    outcome = once()
-    if outcome.ok or not after_oom(outcome) or max_attempts == 1:
-        return outcome
-    rest = None if max_attempts is None else max_attempts - 1
-    return _retrying(rest)(_attempt, {"left": True}, once, after_oom)
+    """`walk` for callers that keep their own state: `once() -> Outcome`, and `after_oom(outcome)`
+    records a failure and sets up the next attempt, False when nothing is left to try. Returns
+    the last outcome."""
+    outcome, _ = walk(lambda _: once(), lambda _, outcome: True if after_oom(outcome) else None, True,
+                      max_attempts=max_attempts)
+    return outcome
 
 
 def next_down(ladder, plan: Plan, global_batch: int, *, phase: str = "", not_applicable=None, failed=None,
