@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autofit
-from autofit.engine.controller import Controller
+from autofit.engine.controller import Controller, Policy
 from autofit.engine.step import StepRunner
 from autofit.gpu import fragmentation
 from autofit.gpu.device import open_device
@@ -53,7 +53,7 @@ def _train(budget, eval_rows=0, caps="reserved", segments=None):
         runner = StepRunner(model, optimizer, device, loss_fn=_loss)
         sizes = SizeLog()
         controller = Controller(runner, default_ladder(sizes, "fp32"), Plan(1024, 2), sizes=sizes,
-                                probe_up=False, quiet=True)
+                                policy=Policy(probe_up=False, quiet=True))
         loss = controller.train(_batch(ROWS, 2), 0)
         runner.close()
     return controller, loss

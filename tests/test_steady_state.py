@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import autofit
 from autofit.diagnosis.syncs import SyncCounter
-from autofit.engine.controller import Controller
+from autofit.engine.controller import Controller, Policy
 from autofit.engine.model_state import LEARN_STEPS
 from autofit.engine.step import StepRunner
 from autofit.gpu.device import SimulatedDevice
@@ -155,7 +155,7 @@ def controller_run(make, loss_fn, batches, steps=STEPS):
         device.place_model(model)
         runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), device, loss_fn=loss_fn)
         plan = autofit.Plan(micro_batch_size=4, accumulation_steps=2)
-        controller = Controller(runner, lambda p: None, plan, quiet=True, probe_up=False)
+        controller = Controller(runner, lambda p: None, plan, policy=Policy(quiet=True, probe_up=False))
         for i, batch in enumerate(batches[:steps]):
             controller.train(batch, i)
             if i == 2:

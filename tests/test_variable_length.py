@@ -161,7 +161,7 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
     [middle] = cls_batches(1, rows=ROWS, seq=LONG // 2, seed=3)
     [long] = cls_batches(1, rows=ROWS, seq=LONG, seed=2)
     sizes = autofit.plans.sizelog.SizeLog()
-    from autofit.engine.controller import Controller
+    from autofit.engine.controller import Controller, Policy
     from autofit.gpu.device import open_device
     from autofit.engine.step import StepRunner
     model = small()
@@ -171,7 +171,7 @@ def test_a_batch_longer_than_any_trained_starts_from_the_size_proven_for_the_lon
         sizes.record(Plan(16), True, length=SHORT + 1)      # proven for short rows
         sizes.record(Plan(6), True, length=LONG // 2 + 1)   # and for the middle length
         controller = Controller(runner, autofit.plans.ladder.default_ladder(sizes, "fp32"), Plan(16),
-                                sizes=sizes, probe_up=False)
+                                sizes=sizes, policy=Policy(probe_up=False))
         controller.train(short[0], 0)
         controller.train(long, 1)      # longer than anything proven: the longest proof's size, 6
         controller.train(middle, 2)

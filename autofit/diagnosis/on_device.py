@@ -8,18 +8,8 @@ import torch
 from autofit.diagnosis.graphs import _nbytes
 from autofit.diagnosis.leak_kinds import FIX_BATCH, shape_of
 from autofit.engine.batches import _fields
-from autofit.gpu.memory import storage_bytes
+from autofit.gpu.memory import on_device_predicate, storage_bytes
 from autofit.sizes import format_size
-
-
-def on_device_predicate(device):
-    """A function tensor -> bool: whether its memory is on `device` (an autofit Device)."""
-    if device.type == "cuda":
-        return lambda t: t.is_cuda
-    gpu = getattr(device, "gpu", None)
-    if gpu is not None:
-        return gpu.holds
-    return lambda t: False
 
 
 def device_fields(batch, on_device) -> list[tuple[str, torch.Tensor]]:

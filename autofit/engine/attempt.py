@@ -5,9 +5,10 @@ happens to it inside the `except` block is reading it (its first line, and what 
 `inspect` reads at the failure). Everything else runs after the block has exited, when no frame of
 the failed attempt is alive to pin what it allocated: the caller's own `free`, `oom.release`, then
 the check that allocated memory is back at its pre-attempt baseline (else `MemoryNotReleased`,
-naming the bytes and the tensors that hold them). `until_fits` repeats attempts, letting the caller
-record each failure and step down, until one fits or nothing is left to try; `next_down` is the
-walk down a ladder that passes over plans already known to fail.
+naming the bytes and the tensors that hold them). `walk` repeats attempts, each failure turning the
+caller's search state into the next one (a step down), until one fits or nothing is left to try
+(`until_fits`: the same for callers that keep their own state); `next_down` is the walk down a
+ladder that passes over plans already known to fail.
 
 Training (`engine/controller`), evaluation (`recipes/evaluate`) and the Hugging Face Trainer's
 recovery (`integrations/hf_recovery`, `integrations/hf_eval`) all go through these.

@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass, replace
 from functools import partial
 
-from autofit.diagnosis.on_device import on_device_predicate
 from autofit.engine import attempt as attempts_
 from autofit.engine.attempt import Attempt, Attempter, next_down, walk
 from autofit.engine.attempt_log import AttemptLog
@@ -35,7 +34,7 @@ from autofit.errors import DoesNotFit
 from autofit.sizes import format_size
 from autofit.gpu.device import _tensors
 from autofit.gpu.fragmentation import requested
-from autofit.gpu.memory import by_kind, storage_bytes
+from autofit.gpu.memory import by_kind, on_device_predicate, storage_bytes
 from autofit.plans.applies import unavailable_changes
 from autofit.plans.reach import advice
 from autofit.plans.sizelog import SizeLog
@@ -94,12 +93,21 @@ def read_failure(runner: Runner, error) -> tuple:
     return runner.phase, held, runner.atomic.failed_at
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How the controller searches, whatever the job."""
+
+    probe_up: bool = True        # search above a size that fits, once a step has trained
+    settle_within: float = 0.0   # stop probing up when the gap to a failed size is within this fraction
+    quiet: bool = False          # progress=False: no step-down logging either
+    max_attempts: int | None = None  # attempts per global batch (None: engine.attempt.MAX_ATTEMPTS_PER_BATCH)
+    expire_after: int | None = None  # good steps before a failure is forgotten (None: EXPIRE_AFTER)
+
+
 class Controller:
-    def __init__(self, runner: Runner, ladder, plan: Plan, *, sizes: SizeLog | None = None,
-                 reason: str = "start: the whole global batch at once", max_attempts: int | None = None,
-                 probe_up: bool = True, settle_within: float = 0.0, on_attempt=None,
-                 quiet: bool = False, expire_after: int | None = None, guide: Guide | None = None,
-                 rules: Rules | None = None):
+    def __init__(self, runner: Runner, ladder, plan: Plan, *, reason: str = "start: the whole global batch at once",
+                 sizes: SizeLog | None = None, guide: Guide | None = None, rules: Rules | None = None,
+                 policy: Policy = Policy()):
         self.runner, self.ladder = runner, ladder
         self.rules = rules if rules is not None else Rules()  # the job's own refusals and last resort
         # Calibrated estimates for the upward search (autofit.estimator.guide.Guide), or none.
@@ -107,15 +115,13 @@ class Controller:
         self.device, self.model = runner.device, runner.model
         self.sizes = sizes if sizes is not None else SizeLog()
         self.plan, self.reason = plan, reason  # the run's plan: the last attempted, and why
-        self.probe_up, self.settle_within = probe_up, settle_within
-        self.on_attempt = on_attempt
-        self.quiet = quiet  # progress=False: no step-down logging either
+        self.probe_up, self.settle_within, self.quiet = policy.probe_up, policy.settle_within, policy.quiet
         self.attempts = AttemptLog()  # every attempt; a run of alike successes is one entry
         # What this run proved (sizes that trained a global batch): a failure of one of them is
         # retried once before it counts, since it fitted rows this long before.
         self.proven = SizeLog()
         self._failed: list = []           # (plan, length) failures this run recorded, until they expire
-        self.expire_after = EXPIRE_AFTER if expire_after is None else expire_after
+        self.expire_after = EXPIRE_AFTER if policy.expire_after is None else policy.expire_after
         self._good_steps = 0              # good global steps since the last recorded failure
         self._good_total = 0              # good global steps of this run
         self._said: set = set()           # reasons for skipping a move, each said once
@@ -124,7 +130,7 @@ class Controller:
         self._tried: set = set()          # plans attempted in this run (a move's first attempt)
         self.verdict = ""                 # why no plan can fit, found from one attempt
         # attempts of one global batch: a safety cap (engine.attempt.MAX_ATTEMPTS_PER_BATCH), no verdict
-        self.max_attempts = max_attempts if max_attempts is not None else attempts_.MAX_ATTEMPTS_PER_BATCH
+        self.max_attempts = policy.max_attempts or attempts_.MAX_ATTEMPTS_PER_BATCH
         self.start = start = StartState(self.model, runner.optimizer, self.device)
         rules = self.rules
 
@@ -405,8 +411,6 @@ class Controller:
 
     def _record(self, attempt: Attempt) -> None:
         self.attempts.append(attempt)
-        if self.on_attempt is not None:
-            self.on_attempt(attempt)
 
 
 def _before_move(search: Search) -> Plan | None:

@@ -10,6 +10,16 @@ from autofit.gpu.simulate import inner_tensors, round_bytes
 KINDS = ("params", "grads", "optimizer", "activations", "other")
 
 
+def on_device_predicate(device):
+    """A function tensor -> bool: whether its memory is on `device` (an autofit Device)."""
+    if device.type == "cuda":
+        return lambda t: t.is_cuda
+    gpu = getattr(device, "gpu", None)
+    if gpu is not None:
+        return gpu.holds
+    return lambda t: False
+
+
 def storage_key(storage: torch.UntypedStorage) -> int:
     """One key per storage, for real and fake tensors alike (a fake tensor has no data pointer)."""
     return ti.storage_key(storage)

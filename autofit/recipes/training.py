@@ -21,7 +21,7 @@ import sys
 import torch
 
 from autofit.engine.batches import rows_of
-from autofit.engine.controller import Controller
+from autofit.engine.controller import Controller, Policy
 from autofit.engine.interfaces import Lockstep
 from autofit.engine.kept import joined
 from autofit.engine.layout import Layout
@@ -202,9 +202,9 @@ class Training:
             told = weighting if self.loss_fn is not None and weighting.pass_items else None
             self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync,
                                                 weighting=told, **options)
-        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
-                                     quiet=not self.progress, settle_within=settle_within,
-                                     guide=self.guide, rules=self._rules(precision, device))
+        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason, guide=self.guide,
+                                     rules=self._rules(precision, device),
+                                     policy=Policy(quiet=not self.progress, settle_within=settle_within))
         self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
         self.watch.check_batch(first, data)
         self.coupling.guard()  # a recompute in backward leaves running statistics as they were

@@ -27,7 +27,7 @@ from autofit.engine.batches import rows_of, tokens_per_row
 from autofit.engine.token_loss import token_counter
 from autofit.estimator.capacity import rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost
-from autofit.engine.controller import Controller
+from autofit.engine.controller import Controller, Policy
 from autofit.errors import DoesNotFit
 from autofit.gpu.oom import collect
 from autofit.plans.ladder import Move
@@ -127,8 +127,8 @@ def measure(model, optimizer, device, plan: Plan, batches: list, *, warmup: int,
     model.train()
     runner = StepRunner(model, optimizer, device, loss_fn=loss_fn,
                         count_tokens=token_counter(model, device) if loss_fn is None else None)
-    controller = Controller(runner, Stay(), plan, reason="tune: measure this plan", probe_up=False,
-                            quiet=True)
+    controller = Controller(runner, Stay(), plan, reason="tune: measure this plan",
+                            policy=Policy(probe_up=False, quiet=True))
     start = end = None
     oom = False
     try:
