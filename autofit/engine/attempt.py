@@ -259,11 +259,11 @@ class _NothingLeft(stop_base):
         return self.walked.state is None
 
 
-def until_fits(once, after_oom, *, max_attempts: int | None = None) -> Outcome:
-    """`walk` for callers that keep their own state: `once() -> Outcome`, and `after_oom(outcome)`
+def until_fits(once, after_failure, *, max_attempts: int | None = None) -> Outcome:
+    """`walk` for callers that keep their own state: `once() -> Outcome`, and `after_failure(outcome)`
     records a failure and sets up the next attempt, False when nothing is left to try. Returns
     the last outcome."""
-    outcome, _ = walk(lambda _: once(), lambda _, outcome: True if after_oom(outcome) else None, True,
+    outcome, _ = walk(lambda _: once(), lambda _, outcome: True if after_failure(outcome) else None, True,
                       max_attempts=max_attempts)
     return outcome
 
