@@ -2,38 +2,10 @@
 a global batch is given a `Search`, and each failure returns the next one (a step down, an upward
 probe's fallback) with the last out-of-memory attempt in it; nothing else carries the search."""
 
-import torch
-
 import autofit
 from autofit.engine import controller as controller_module
 from autofit.engine.controller import Search
-from autofit.gpu.simulate import active_gpu
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
-
-
-def _batches(n, rows):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(n)]
-
-
-def _loss(model, batch):
-    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-
-def _faults_at(model, calls):
-    """One injected OOM in each of these forward calls (1-based), a few allocations in."""
-    seen = [0]
-
-    def hook(module, args):
-        seen[0] += 1
-        if seen[0] in calls:
-            gpu = active_gpu()
-            gpu.fail_at(gpu.allocation_count + 2)
-    return model.register_forward_pre_hook(hook)
+from test_transient import _batches, _faults_at, _loss, _mlp
 
 
 def test_each_attempt_is_given_the_search_the_failure_before_it_returned(monkeypatch):
