@@ -164,7 +164,7 @@ class Attempter:
         self.replayed.add(key)
         return True
 
-    def fragmented(self, outcome: Outcome, key) -> str | None:
+    def empty_cache_for_replay(self, outcome: Outcome, key) -> str | None:
         """When the cache's holes caused `outcome`'s failure and `key` has not had its replay: empty
         the cache and return the reason to replay the same work (gpu/fragmentation); else None.
         The replay is no verdict on the plan: callers record nothing about its size."""

@@ -294,7 +294,7 @@ class Controller:
             return None
         # One replay of the same plan per global batch, for either reason: the cache's holes
         # (freed first) or a size this run proved.
-        why = self.attempter.fragmented(outcome, (step, plan)) or self._untouched_step(where, step, plan)
+        why = self.attempter.empty_cache_for_replay(outcome, (step, plan)) or self._untouched_step(where, step, plan)
         if why:
             if not self.quiet:
                 log.warning("out of memory under %s (%s); %s", plan.describe(), text, why)

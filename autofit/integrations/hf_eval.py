@@ -125,7 +125,7 @@ class EvalGuard:
     def _after_oom(self, outcome) -> bool:
         size, step = self.size, self.trainer.state.global_step
         self.attempts.append(EvalAttempt(size, "oom", step, self.reason, outcome.error, self.done, outcome.peak))
-        if why := self.attempter.fragmented(outcome, (self.evaluations, size)):  # as autofit.evaluate does
+        if why := self.attempter.empty_cache_for_replay(outcome, (self.evaluations, size)):  # as autofit.evaluate does
             self.reason = why
             return True
         if size <= 1:

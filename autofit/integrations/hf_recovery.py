@@ -195,7 +195,7 @@ class TrainAttempts:
                                      memory))
         # As in training's controller: the cache's holes (freed first) replay the same plan once
         # per global step before the ladder steps down.
-        replay = self.attempter.fragmented(outcome, (step, self.plan))
+        replay = self.attempter.empty_cache_for_replay(outcome, (step, self.plan))
         taken = (self.plan, replay) if replay else next_down(self.ladder, self.plan, self.rows,
                                                              failed=self.seen.__contains__)
         if taken is None:

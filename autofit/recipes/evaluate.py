@@ -213,7 +213,7 @@ class _Evaluator:
         size, index, first = self.trying, cursor.index, cursor.first + cursor.pos
         self.attempts.append(EvalAttempt(size, "oom", self.reason, index, first, outcome.peak, outcome.error))
         key = (index, first, size)  # as in training: the cache's holes replay the same size once
-        if why := self.attempter.fragmented(outcome, key):
+        if why := self.attempter.empty_cache_for_replay(outcome, key):
             self.reason = why
             return True
         new = self.sizer.oom(size)
