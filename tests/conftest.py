@@ -111,3 +111,13 @@ def pytest_collection_modifyitems(config, items):
     order = sorted(files.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests),
                                                       -len(tests)))
     items[:] = [t for tests in order for t in tests]
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_put_back():
+    """A run installs autofit's SIGINT handler once and puts the one before it back when it closes
+    (engine/interrupts.py): no test may leave it behind."""
+    import signal
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    assert signal.getsignal(signal.SIGINT) is before, "a runner was left open: its SIGINT handler is still installed"

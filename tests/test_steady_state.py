@@ -160,6 +160,7 @@ def controller_run(make, loss_fn, batches, steps=STEPS):
             controller.train(batch, i)
             if i == 2:
                 model.late = torch.nn.Identity()  # a module registered mid-run: the tree is walked again
+        runner.close()
     return controller
 
 

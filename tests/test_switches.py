@@ -86,6 +86,7 @@ def test_a_switch_added_to_the_registry_is_set_by_the_step_and_read_by_the_estim
     assert runner.not_applicable(PinnedPlan(4, pinned_memory=True)) == "no pinned memory on cpu"
     assert runner.not_applicable(PinnedPlan(4)) is None
     assert STEPPED == [(runner, True), (runner, False)]  # once per attempt, through its hook
+    runner.close()
     estimator = Estimator(model, torch.ones(4, 2), torch.optim.SGD, lambda m, b: m(b).pow(2).mean(),
                           device_type="cpu")
     assert estimator.measured_plan(PinnedPlan(4)) == PinnedPlan(4, pinned_memory=True)
