@@ -8,8 +8,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The Layout's named exceptions made at module level: (importing module, imported layer). The others
 # it names (distributed/lockstep, estimator/sharded) import inside functions.
-EXCEPTIONS = {("plans/applies", "engine"), ("plans/applies", "distributed"),
-              ("integrations/lightning", "recipes")}
+EXCEPTIONS = {("integrations/lightning", "recipes")}
 
 
 # The adapters of outside libraries' private names (docs/contributing.md, "Private names") import nothing

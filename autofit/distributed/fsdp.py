@@ -269,3 +269,8 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+def fsdp_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """FSDP2's two settings' `applies` (plans/switches.py): plan_problem."""
+    return plan_problem(plan, model)

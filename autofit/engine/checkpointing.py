@@ -266,3 +266,13 @@ class Checkpointing:
 def step_hook(runner, plan) -> None:
     """Checkpointing's switch (plans/switches.py): on or off for `runner`'s (a StepRunner's) model."""
     runner.checkpointing.set(plan.checkpointing)
+
+
+def checkpointing_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """Checkpointing's `applies` (plans/switches.py): the model has blocks or a Hugging Face switch."""
+    if plan.checkpointing:
+        checkpointing = checkpointing or Checkpointing(model)
+        if not checkpointing.available and not checkpointing.initial:
+            return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
+                    f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
+    return None

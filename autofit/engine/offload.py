@@ -227,3 +227,12 @@ def offload_problem(optimizer) -> str | None:
     if closure is not None and closure.default is inspect.Parameter.empty:
         return f"{name}.step needs a closure"
     return None
+
+
+def offload_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """Optimizer offload's `applies` (plans/switches.py): see offload_problem."""
+    if plan.offload_optimizer:
+        problem = offload_problem(optimizer)
+        if problem:
+            return f"optimizer offload does not apply: {problem}"
+    return None

@@ -51,3 +51,27 @@ class ForeachOff:
         """load_state_dict made new groups holding the loaded values: those are the user's now."""
         self.own = {}
         self.on()
+
+
+def per_parameter_applies(plan, model, optimizer, device, checkpointing) -> str | None:
+    """The per-parameter step's `applies` (plans/switches.py); with offload the host step runs, so
+    it is not asked."""
+    if plan.per_parameter_step and not plan.offload_optimizer:
+        problem = per_parameter_problem(optimizer, device)
+        if problem:
+            return f"a per-parameter optimizer step does not apply: {problem}"
+    return None
+
+
+def per_parameter_problem(optimizer, device) -> str | None:
+    """Why switching the optimizer's groups to `foreach=False` would change nothing, or None."""
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if not groups or any("foreach" not in g for g in groups):
+        return f"{name} has no foreach option"
+    if any(g.get("fused") for g in groups):
+        return f"{name} is fused (one kernel per step, no foreach temporaries)"
+    # torch picks foreach for foreach=None only on CUDA.
+    if all(g["foreach"] is False or (g["foreach"] is None and device.type != "cuda") for g in groups):
+        return f"{name} already updates one parameter at a time (foreach off)"
+    return None

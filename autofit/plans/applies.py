@@ -17,17 +17,16 @@ after a failure, so autofit.explain never offers a fix the ladder would skip.
 
 from __future__ import annotations
 
-from autofit.distributed.fsdp import plan_problem as fsdp_problem
-from autofit.engine.checkpointing import Checkpointing
-from autofit.engine.offload import offload_problem
 from autofit.plans import switches
 from autofit.plans import precision as precisions
 
 
-def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing | None = None) -> str | None:
+def not_applicable(plan, model, optimizer, device, checkpointing=None) -> str | None:
     """Why `plan` cannot run for this model, optimizer and device, or None when it can: its
-    precision, then each switch by its `applies` hook (plans/switches.py), in the registry's order
-    (a hook two switches share, FSDP2's, is asked once)."""
+    precision, then each switch by its `applies` hook (plans/switches.py; each hook lives with the
+    switch's mechanism: engine/checkpointing, engine/offload, engine/per_parameter, distributed/fsdp),
+    in the registry's order (a hook two switches share, FSDP2's, is asked once). `checkpointing`:
+    the runner's engine.checkpointing.Checkpointing, when it has one."""
     if not precisions.get(plan.precision).supported_on(device):
         return f"{plan.precision} is not supported on {device.describe()}"
     asked = set()
@@ -38,54 +37,6 @@ def not_applicable(plan, model, optimizer, device, checkpointing: Checkpointing 
         problem = switch.applies_hook()(plan, model, optimizer, device, checkpointing)
         if problem:
             return problem
-    return None
-
-
-def checkpointing_applies(plan, model, optimizer, device, checkpointing: Checkpointing | None) -> str | None:
-    """Checkpointing's `applies` (plans/switches.py): the model has blocks or a Hugging Face switch."""
-    if plan.checkpointing:
-        checkpointing = checkpointing or Checkpointing(model)
-        if not checkpointing.available and not checkpointing.initial:
-            return (f"activation checkpointing does not apply to {type(model).__name__}: it has no "
-                    f"repeated blocks (ModuleList/Sequential) and no Hugging Face switch")
-    return None
-
-
-def offload_applies(plan, model, optimizer, device, checkpointing) -> str | None:
-    """Optimizer offload's `applies` (plans/switches.py): see engine/offload.offload_problem."""
-    if plan.offload_optimizer:
-        problem = offload_problem(optimizer)
-        if problem:
-            return f"optimizer offload does not apply: {problem}"
-    return None
-
-
-def per_parameter_applies(plan, model, optimizer, device, checkpointing) -> str | None:
-    """The per-parameter step's `applies` (plans/switches.py); with offload the host step runs, so
-    it is not asked."""
-    if plan.per_parameter_step and not plan.offload_optimizer:
-        problem = per_parameter_problem(optimizer, device)
-        if problem:
-            return f"a per-parameter optimizer step does not apply: {problem}"
-    return None
-
-
-def fsdp_applies(plan, model, optimizer, device, checkpointing) -> str | None:
-    """FSDP2's two settings' `applies` (plans/switches.py): autofit.distributed.fsdp.plan_problem."""
-    return fsdp_problem(plan, model)
-
-
-def per_parameter_problem(optimizer, device) -> str | None:
-    """Why switching the optimizer's groups to `foreach=False` would change nothing, or None."""
-    name = type(optimizer).__name__
-    groups = optimizer.param_groups
-    if not groups or any("foreach" not in g for g in groups):
-        return f"{name} has no foreach option"
-    if any(g.get("fused") for g in groups):
-        return f"{name} is fused (one kernel per step, no foreach temporaries)"
-    # torch picks foreach for foreach=None only on CUDA.
-    if all(g["foreach"] is False or (g["foreach"] is None and device.type != "cuda") for g in groups):
-        return f"{name} already updates one parameter at a time (foreach off)"
     return None
 
 

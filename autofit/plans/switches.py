@@ -131,7 +131,7 @@ SWITCHES = (
            config=lambda v: (v,),
            change=lambda v: "activation checkpointing " + ("on" if v else "off"),
            step="autofit.engine.checkpointing:step_hook",
-           applies="autofit.plans.applies:checkpointing_applies",
+           applies="autofit.engine.checkpointing:checkpointing_applies",
            tries=_off_or_both,  # option: the model has blocks to checkpoint
            fix="checkpointing"),
     Switch("offload_optimizer", "optimizer state moves to CPU memory",
@@ -141,7 +141,7 @@ SWITCHES = (
            config=lambda v: (v,),
            change=lambda v: "optimizer state " + ("to CPU memory" if v else "back on the device"),
            step="autofit.engine.step:offload_hook",
-           applies="autofit.plans.applies:offload_applies",
+           applies="autofit.engine.offload:offload_applies",
            tries=_off_or_both,  # option: allow_offload
            estimate="autofit.estimator.sampled:offload_measured",
            fix="offload"),
@@ -153,7 +153,7 @@ SWITCHES = (
            config=lambda v: ("per-parameter step",) if v else (),
            change=lambda v: "per-parameter optimizer step " + ("on" if v else "off"),
            step="autofit.engine.step:per_parameter_hook",
-           applies="autofit.plans.applies:per_parameter_applies",
+           applies="autofit.engine.per_parameter:per_parameter_applies",
            # never priced: it only helps a step that ran out of memory, a move of the ladder's
            tries=lambda trial: (False,),
            fix="per-parameter-step"),
@@ -168,7 +168,7 @@ SWITCHES = (
            change=lambda v: None if v is None else
            "FSDP2 " + ("reshards after forward" if v else "keeps gathered parameters for backward"),
            step="autofit.distributed.fsdp:reshard_hook",
-           applies="autofit.plans.applies:fsdp_applies",
+           applies="autofit.distributed.fsdp:fsdp_applies",
            tries=lambda trial: tuple(trial.option),  # option: the values the model may use, (None,) unsharded
            estimate="autofit.estimator.sharded:reshard_measured",
            sharded_only=True),
@@ -181,7 +181,7 @@ SWITCHES = (
            change=lambda v: "FSDP2 " + ("reduce-scatters each micro-batch" if v
                                         else "syncs gradients on the last micro-batch only"),
            step="autofit.distributed.fsdp:reduce_each_hook",
-           applies="autofit.plans.applies:fsdp_applies",
+           applies="autofit.distributed.fsdp:fsdp_applies",
            # with one micro-batch both are the same step
            tries=lambda trial: (False, True) if trial.sharded and trial.micro_batch < trial.global_batch else (False,),
            estimate="autofit.estimator.sharded:reduce_each_measured",
