@@ -46,12 +46,11 @@ from autofit.plans.ladder import as_move, sharded as sharded_ladder
 from autofit.plans.sizelog import SizeLog
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.integrations import accelerate
-from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
-from autofit.estimator.start import (SETTLE_WITHIN, budget_caps, estimated_start, longest_batch,
-                                     make_guide, tensor_budget)
+from autofit.estimator.start import budget_caps, tensor_budget
+from autofit.recipes.starts import FirstBatch, Start, first_start
 from autofit.engine.step import StepRunner
 from autofit.engine.token_loss import loss_weighting
 
@@ -124,90 +123,83 @@ class Training:
         `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
         `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
         `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
-        given, first = first, self.layout.rows_first(first)
-        lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
-        sizes, precision = self.sizes, self.precision
-        # The first agreement: how the data is given, rank 0's weights on every rank.
-        lockstep.hello(first, data, device, dataset=batch_size is not None)
-        lockstep.check_optimizer(opt)  # one that cannot step FSDP2's shards: refused on every rank
+        row_first = self.layout.rows_first(first)
+        rows = self._first_agreement(row_first, data, batch_size)
+        self.memo = Memo(
+            model=self.model, batch=row_first, optimizer=self.optimizer, global_batch=rows,
+            precision=self.precision, device=self.lockstep.cache_view(self.device),
+            enabled=self.cache and self.lockstep.rank == 0)  # rank 0 owns the cache
+        weighting = self._loss_weighting(row_first)
+        start = self._agreed_start(FirstBatch(first, row_first, rows, data, tuned, resume))
+        self.runner = self._runner(weighting)
+        self.controller = Controller(self.runner, self._moves(), start.plan, sizes=self.sizes,
+                                     reason=start.reason, quiet=not self.progress,
+                                     settle_within=start.settle_within, guide=self.guide,
+                                     rules=self._rules(self.precision, self.device))
+        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
+        self.watch.check_batch(row_first, data)
+        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+
+    def _first_agreement(self, first, data, batch_size) -> int:
+        """How the data is given, rank 0's weights on every rank, the budgets; returns the rows a
+        plan covers (per rank: the rows of a global batch it covers, the same on every rank)."""
+        lockstep = self.lockstep
+        lockstep.hello(first, data, self.device, dataset=batch_size is not None)
+        lockstep.check_optimizer(self.optimizer)  # one that cannot step FSDP2's shards: refused on every rank
         if batch_size is not None:
             lockstep.check_dataset(len(data), batch_size)
-        lockstep.agree_budgets(device, tensor_budget)
-        # A plan is per rank: the rows of a global batch it covers, the same on every rank.
-        first_rows = lockstep.first_shape(first)[0]
-        self.memo = memo = Memo(
-            model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
-            device=lockstep.cache_view(device),
-            enabled=self.cache and lockstep.rank == 0)  # rank 0 owns the cache
+        lockstep.agree_budgets(self.device, tensor_budget)
+        return lockstep.first_shape(first)[0]
 
-        # How the loss weighs micro-batches, asked before the start is chosen (a sharded model's
-        # probe runs on every rank at once, agreed): a loss that couples its rows makes the job
-        # batch-coupled (whole-batch plans first, in the capacity check too).
+    def _loss_weighting(self, first):
+        """How the loss weighs micro-batches, asked before the start is chosen (a sharded model's
+        probe runs on every rank at once, agreed): a loss that couples its rows makes the job
+        batch-coupled (whole-batch plans first, in the capacity check too)."""
+        lockstep = self.lockstep
         call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
-        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
+        weighting = loss_weighting(self.model, lockstep.local(first), self.loss_fn, self.device,
                                    probe=lockstep.sharded is None, call=call, ask=not self.distributed)
         if weighting.coupled:
             self.coupling.loss_couples(weighting.coupled)
+        return weighting
+
+    def _agreed_start(self, asked: FirstBatch) -> Start:
+        """The first answer of the start strategies (recipes/starts.py), decided by rank 0 under
+        torch.distributed (its cache, or the smallest budget of all ranks), then made whole for a
+        batch-coupled job and explicit about FSDP2's resharding."""
+        chosen = []
 
         def choose():
-            """(start plan, reason, settle_within); fills `sizes` with what is already known."""
-            if resume is not None:
-                plan, known = resume
-                known.settle_proven(plan)  # a resumed job starts settled: no upward probe
-                sizes.fits, sizes.fails = known.fits, known.fails
-                return (plan.with_micro_batch(plan.micro_batch_size, first_rows),
-                        "resumed: the plan and sizes of a state_dict", 0.0)
-            if tuned is not None:
-                sizes.settle(tuned.plan)  # for every length
-                return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
-                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
-                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
-            recalled = memo.recall(sizes, not_applicable=lambda plan: not_applicable(plan, model, opt, device))
-            if recalled is not None:
-                return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
-            if self.capacity_check and self.user_ladder is None:
-                longest = longest_batch(data, given) if data is not None else given
-                batch = first if longest is given else self.layout.rows_first(longest)
-                # The guide's probe is one rank's estimate: under torch.distributed the ranks'
-                # agreement steers the search instead.
-                guide = None if self.distributed else \
-                    make_guide(device, memo.calibration(budget_caps(device)), model)
-                estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
-                                            lockstep.estimate_view(device), precision, sizes,
-                                            coupling=self.coupling, guide=guide)
-                if estimated is not None:
-                    self.guide = guide
-                    start, reason = estimated
-                    return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
-            return (Plan.for_batch(first_rows, precision=precisions.start_precision(precision)),
-                    "start: the whole global batch at once", 0.0)
-        # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
-        start, reason, settle_within = lockstep.agree_start(choose, sizes)
-        if lockstep.sharded is not None and start.reshard_after_forward is None:
+            chosen.append(first_start(self, asked))
+            return chosen[-1].plan, chosen[-1].reason, chosen[-1].settle_within
+        plan, reason, settle_within = self.lockstep.agree_start(choose, self.sizes)
+        # Only a single process estimates with a guide; other ranks never choose.
+        self.guide = chosen[-1].guide if chosen else None
+        if self.lockstep.sharded is not None and plan.reshard_after_forward is None:
             # FSDP2's setting made explicit (the model's own), so the ladder can step from it
-            start = start.replace(reshard_after_forward=user_reshard_after_forward(model))
-        start, reason = self.coupling.start(start, reason, first_rows)
-        moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
-        if lockstep.sharded is not None and self.user_ladder is None:
+            plan = plan.replace(reshard_after_forward=user_reshard_after_forward(self.model))
+        plan, reason = self.coupling.start(plan, reason, asked.rows)
+        return Start(plan, reason, settle_within)
+
+    def _moves(self):
+        moves = self.coupling.ladder(self.sizes, self.precision, self.device.supports_bf16(), self.user_ladder)
+        if self.lockstep.sharded is not None and self.user_ladder is None:
             moves = sharded_ladder(moves)  # FSDP2's own moves first
+        return moves
+
+    def _runner(self, weighting) -> StepRunner:
+        """One process's step runner, or one rank's in lockstep with the others."""
         # ranks weigh by shares; a loss_fn told num_items_in_batch counts through its weighting
-        count_tokens = None if self.loss_fn is not None and weighting.pass_items else weighting.count
-        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
-                       max_grad_norm=self.max_grad_norm)
+        told_items = self.loss_fn is not None and weighting.pass_items
+        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn,
+                       count_tokens=None if told_items else weighting.count, max_grad_norm=self.max_grad_norm)
         if not self.distributed:
-            self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
-        else:
-            sync = lockstep.sharded.sync if lockstep.sharded is not None else None  # FSDP's gradient sync
-            # A loss_fn that takes num_items_in_batch is told the global count (all ranks' shares).
-            told = weighting if self.loss_fn is not None and weighting.pass_items else None
-            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync,
-                                                weighting=told, **options)
-        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason,
-                                     quiet=not self.progress, settle_within=settle_within,
-                                     guide=self.guide, rules=self._rules(precision, device))
-        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
-        self.watch.check_batch(first, data)
-        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+            return StepRunner(self.model, self.optimizer, self.device, weighting=weighting, **options)
+        sharded = self.lockstep.sharded
+        # A loss_fn that takes num_items_in_batch is told the global count (all ranks' shares).
+        return DistributedStepRunner(self.model, self.optimizer, self.device, lockstep=self.lockstep,
+                                     sync=None if sharded is None else sharded.sync,  # FSDP's gradient sync
+                                     weighting=weighting if told_items else None, **options)
 
     def _rules(self, precision: str, device) -> Rules:
         """No split where allow_split=False forbids it, on any path; before giving up, every plan
