@@ -51,7 +51,7 @@ from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.estimator.start import budget_caps, tensor_budget
 from autofit.recipes.starts import FirstBatch, Start, first_start
-from autofit.engine.step import StepRunner
+from autofit.engine.step import StepRunner, Update
 from autofit.engine.token_loss import loss_weighting
 
 log = logging.getLogger("autofit")
@@ -191,8 +191,8 @@ class Training:
         """One process's step runner, or one rank's in lockstep with the others."""
         # ranks weigh by shares; a loss_fn told num_items_in_batch counts through its weighting
         told_items = self.loss_fn is not None and weighting.pass_items
-        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn,
-                       count_tokens=None if told_items else weighting.count, max_grad_norm=self.max_grad_norm)
+        options = dict(update=Update(self.scheduler, self.max_grad_norm), loss_fn=self.loss_fn,
+                       count_tokens=None if told_items else weighting.count)
         if not self.distributed:
             return StepRunner(self.model, self.optimizer, self.device, weighting=weighting, **options)
         sharded = self.lockstep.sharded
