@@ -256,15 +256,14 @@ class Training:
                         expect_like=expect_like, progress=progress, start_batch_size=start, pace=pace)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
-    def explain_refusal(self, error: DoesNotFit) -> None:
-        """Say in `error` (once) that splitting was forbidden, and what the user's code kept."""
-        if self.coupling.refusal() and not getattr(error, "refusal_said", False):
-            error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
-            error.refusal_said = True
-        if self.watch is not None:
-            error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+    def explained(self, error: DoesNotFit) -> DoesNotFit:
+        """`error` saying (once) that splitting was forbidden, and what the user's code kept (for
+        explain(error)): a new error, or `error` itself when there is nothing to add."""
+        leaks = self.watch.findings if self.watch is not None else error.leaks
+        return error.explained(self.coupling.refusal() or "", leaks)
 
     def __exit__(self, kind, error, traceback) -> bool:
+        replaced = None
         try:
             if error is None:
                 self.lockstep.finish()  # every rank got to the end, at the same step
@@ -273,14 +272,20 @@ class Training:
                                        self.samples, calibration=self.controller.guide.measured,
                                        calibrated=budget_caps(self.device))
             elif isinstance(error, DoesNotFit) and self.watch is not None:
-                self.explain_refusal(error)
+                explained = self.explained(error)
+                replaced = None if explained is error else explained
         except BaseException:
             self._close()
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
             return False
         self._close()
-        return self._stack.__exit__(kind, error, traceback)
+        if replaced is None:
+            return self._stack.__exit__(kind, error, traceback)
+        # The explained copy of the DoesNotFit replaces it, raised where the original was.
+        if not self._stack.__exit__(DoesNotFit, replaced, traceback):
+            raise replaced.with_traceback(traceback) from None
+        return True
 
     def _close(self) -> None:
         """Hand the model and optimizer back as a plain loop would leave them."""
