@@ -4,8 +4,8 @@ state; the parts that stand alone live in their own modules: options, layout, ke
 
 setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
 model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
-first global batch): the plan cache, the start plan (tuned, cached, estimated, or the whole batch),
-the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
+first global batch): the plan cache, the start plan (recipes/starts: resumed, tuned, cached,
+estimated, or the whole batch), the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
 last agreement and the cache written after a clean end, then the model, optimizer and device handed
 back as a plain loop would leave them (checkpointing switches off, the optimizer with its state,
 offloaded state in host memory, the budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
@@ -167,13 +167,13 @@ class Training:
         """The first answer of the start strategies (recipes/starts.py), decided by rank 0 under
         torch.distributed (its cache, or the smallest budget of all ranks), then made whole for a
         batch-coupled job and explicit about FSDP2's resharding."""
-        chosen = []
+        chosen = []  # the agreement carries plan, reason and settle_within; the guide stays here
 
         def choose():
             chosen.append(first_start(self, asked))
             return chosen[-1].plan, chosen[-1].reason, chosen[-1].settle_within
         plan, reason, settle_within = self.lockstep.agree_start(choose, self.sizes)
-        # Only a single process estimates with a guide; other ranks never choose.
+        # A guide is made by a single process only (ranks' agreements steer them instead).
         self.guide = chosen[-1].guide if chosen else None
         if self.lockstep.sharded is not None and plan.reshard_after_forward is None:
             # FSDP2's setting made explicit (the model's own), so the ladder can step from it
@@ -182,6 +182,8 @@ class Training:
         return Start(plan, reason, settle_within)
 
     def _moves(self):
+        """The ladder: the coupling's (whole batch first where a split changes the mathematics),
+        FSDP2's own moves first for a sharded model."""
         moves = self.coupling.ladder(self.sizes, self.precision, self.device.supports_bf16(), self.user_ladder)
         if self.lockstep.sharded is not None and self.user_ladder is None:
             moves = sharded_ladder(moves)  # FSDP2's own moves first
