@@ -60,11 +60,11 @@ def tuned(job, asked: FirstBatch) -> Start | None:
 
 def cached(job, asked: FirstBatch) -> Start | None:
     """The plan that worked for this job on this device before, unless it cannot apply now."""
-    model, optimizer, device = job.model, job.optimizer, job.device
-    recalled = job.memo.recall(job.sizes, not_applicable=lambda plan: not_applicable(plan, model, optimizer, device))
+    recalled = job.memo.recall(job.sizes, not_applicable=lambda plan: not_applicable(
+        plan, job.model, job.optimizer, job.device))
     if recalled is None:
         return None
-    return Start(recalled[0], f"cached: worked for this job on {device.describe()}")
+    return Start(recalled[0], f"cached: worked for this job on {job.device.describe()}")
 
 
 def estimated(job, asked: FirstBatch) -> Start | None:

@@ -5,11 +5,12 @@ state; the parts that stand alone live in their own modules: options, layout, ke
 setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
 model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
 first global batch): the plan cache, the start plan (recipes/starts: resumed, tuned, cached,
-estimated, or the whole batch), the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
-last agreement and the cache written after a clean end, then the model, optimizer and device handed
-back as a plain loop would leave them (checkpointing switches off, the optimizer with its state,
-offloaded state in host memory, the budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
-and agrees with itself, so the recipe reads the same with one rank or many.
+estimated, or the whole batch), the step runner and the controller; each global batch
+(`train(batch)`); cleanup (`__exit__`): the last agreement and the cache written after a clean
+end, then the model, optimizer and device handed back as a plain loop would leave them
+(checkpointing switches off, the optimizer with its state, offloaded state in host memory, the
+budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s
+interface and agrees with itself, so the recipe reads the same with one rank or many.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def tune_on(device, model, optimizer, trained: TrialBatches, options: TuneOption
     if tensor_budget(device) is None:
         raise ValueError(no_budget_message(device.budget, device))
     if not 0 <= options.warmup < len(trained.batches):
-        raise ValueError(f"warmup={options.warmup!r} leaves none of the {len(trained.batches)} batch(es) to time.")
+        raise ValueError(f"warmup={options.warmup!r} leaves none of the {len(trained.batches)} batch(es) "
+                         f"to time.")
     global_batch = rows_of(trained.first)
     memo = Memo(model=model, batch=trained.first, optimizer=optimizer, global_batch=global_batch,
                 precision=options.precision, device=device, enabled=True)  # its key names the study
@@ -311,5 +312,5 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
     result.cached = memo.cache.get(memo.key) is not None
 
 
-__all__ = ["PlanStats", "TrialBatches", "TuneOptions", "TuneResult", "TuneTrial", "check_options", "kept_rng", "plan_stats", "run_options",
-           "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]
+__all__ = ["PlanStats", "TrialBatches", "TuneOptions", "TuneResult", "TuneTrial", "check_options", "kept_rng",
+           "plan_stats", "run_options", "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]
