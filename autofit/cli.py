@@ -34,8 +34,8 @@ class _Parser(argparse.ArgumentParser):
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each command's arguments are added by its own function."""
     from autofit import __version__
-    from autofit.commands.models import DEFAULT, known
 
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok, 1 does not fit / not found, 2 bad usage, 3 internal error.")
     parser.add_argument("--version", action="version", version=f"autofit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_probe, _add_demo, _add_cache):
+        add(commands, debug)
+    parser.set_defaults(func=lambda args: _missing_command(parser))
+    return parser
+
+
+def _add_probe(commands, debug) -> None:
+    from autofit.commands.models import DEFAULT, known
 
     probe = commands.add_parser(
         "probe", parents=[debug], help="predict which plans fit a GPU of a given size, without one",
@@ -84,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"also train {VERIFY_STEPS} real steps under the budget (needs CUDA)")
     probe.set_defaults(func=cmd_probe)
 
+
+def _add_demo(commands, debug) -> None:
     demo = commands.add_parser(
         "demo", parents=[debug], help="train a tiny model on a simulated GPU that runs out of memory",
         description="Train a tiny BERT (random weights, synthetic data) on a simulated GPU small "
@@ -95,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"optimizer steps, each one global batch of {DEMO_BATCH} (default {DEMO_STEPS})")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_cache(commands, debug) -> None:
     cache = commands.add_parser(
         "cache", parents=[debug], help="list, show or clear the plans that worked",
         description="The plan cache: plans that worked, per model, batch and device. Its file is "
@@ -108,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     clear = actions.add_parser("clear", parents=[debug], help="remove every cached plan")
     clear.set_defaults(func=cmd_cache_clear)
     cache.set_defaults(func=lambda args: _missing_command(cache))
-    parser.set_defaults(func=lambda args: _missing_command(parser))
-    return parser
 
 
 def _missing_command(parser: argparse.ArgumentParser) -> int:

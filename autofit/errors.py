@@ -32,7 +32,12 @@ class DoesNotFit(RuntimeError):
     """No plan of the ladder fits the budget. Carries every attempt and the last breakdown."""
 
     def __init__(self, message: str, attempts=(), breakdown: dict | None = None,
-                 budget: int | None = None, plan=None):
+                 budget: int | None = None, plan=None, *, refusal: str = "", leaks=()):
+        self._given = (message, attempts, breakdown, budget, plan)
+        self.refusal = refusal    # why splitting was forbidden (plans/coupling), said first
+        self.leaks = list(leaks)  # autofit.diagnosis.leaks findings: what the user's code kept on the device
+        if refusal:
+            message = f"{refusal}\n{message}"
         self.attempts = list(attempts)
         self.breakdown = dict(breakdown or {})
         self.budget = budget
@@ -48,6 +53,14 @@ class DoesNotFit(RuntimeError):
             for a in self.attempts:
                 lines.append(f"  {a.describe()}")
         super().__init__("\n".join(lines))
+
+    def explained(self, refusal: str, leaks) -> "DoesNotFit":
+        """This error with why splitting was forbidden said first (once) and the leaks found; itself
+        when that adds nothing."""
+        refusal = self.refusal or refusal
+        if refusal == self.refusal and list(leaks) == self.leaks:
+            return self
+        return DoesNotFit(*self._given, refusal=refusal, leaks=leaks)
 
 
 class MissingInternal(RuntimeError):

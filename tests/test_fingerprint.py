@@ -6,7 +6,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 from transformers.tokenization_utils_base import BatchEncoding
 
-from autofit.cache.fingerprint import batch_signature, job_key, model_fingerprint
+from autofit.cache.fingerprint import DeviceKey, batch_signature, job_key, model_fingerprint
 
 
 def tiny_bert(**overrides):
@@ -25,12 +25,15 @@ def bert_batch(batch_size=4, seq_len=16):
     }
 
 
-BASE = dict(optimizer_name="AdamW", global_batch=32, precision="fp32", device_name="NVIDIA H200",
-            device_total=150_000_000_000, budget=2 * 2**30)
+DEVICE = dict(device_name="NVIDIA H200", device_total=150_000_000_000, budget=2 * 2**30)
+BASE = dict(optimizer_name="AdamW", global_batch=32, precision="fp32", device=DeviceKey(**DEVICE))
 
 
 def key_of(model=None, batch=None, **changes):
+    device = {k: changes.pop(k) for k in list(changes) if k in DEVICE}
     args = {**BASE, **changes}
+    if device:
+        args["device"] = DeviceKey(**{**DEVICE, **device})
     return job_key(model=model if model is not None else tiny_bert(),
                    batch=batch if batch is not None else bert_batch(), **args)[0]
 

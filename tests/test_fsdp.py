@@ -131,20 +131,22 @@ def test_a_torch_whose_fsdp2_lacks_what_autofit_relies_on_is_refused_before_trai
 
 
 def test_the_cache_key_holds_the_world_size_and_the_sharding():
-    from autofit.cache.fingerprint import job_key
+    from autofit.cache.fingerprint import DeviceKey, job_key
     from reference import bert, cls_batches
     model, batch = bert(), cls_batches(1, rows=4)[0]
-    common = dict(model=model, batch=batch, optimizer_name="AdamW", global_batch=4, precision="fp32",
-                  device_name="simulated", device_total=None, budget=1 << 30)
-    keys = {str(p): job_key(**common, parallel=p)[0] for p in (
+    common = dict(model=model, batch=batch, optimizer_name="AdamW", global_batch=4, precision="fp32")
+
+    def on(parallel=None):
+        return DeviceKey("simulated", None, 1 << 30, parallel)
+    keys = {str(p): job_key(**common, device=on(p))[0] for p in (
         None, {"world": 4, "sharding": "replicated"}, {"world": 8, "sharding": "replicated"},
         {"world": 4, "sharding": "fsdp2", "units": ["bert.encoder.layer.0", ""]})}
     assert len(set(keys.values())) == 4
-    assert job_key(**common)[0] == keys["None"]  # a single process's key is as before
-    assert job_key(**common, parallel={"world": 4, "sharding": "replicated"})[1]["parallel"] == \
+    assert job_key(**common, device=on())[0] == keys["None"]  # a single process's key is as before
+    assert job_key(**common, device=on({"world": 4, "sharding": "replicated"}))[1]["parallel"] == \
         {"world": 4, "sharding": "replicated"}
     with pytest.raises(TypeError, match="parallel must be a dict with an int 'world'"):
-        job_key(**common, parallel={"sharding": "fsdp2"})
+        job_key(**common, device=on({"sharding": "fsdp2"}))
 
 
 # -- two gloo ranks -----------------------------------------------------------------------------

@@ -87,3 +87,13 @@ def import_cycles() -> list[list[str]]:
 
 def test_no_import_cycle_but_the_estimators_known_one():
     assert import_cycles() == KNOWN_CYCLES
+
+
+def test_the_layout_names_every_module():
+    """docs/contributing.md's Layout says each module's concept: a module added without a word there
+    is found here."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    layout = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
+    named = set(re.findall(r"`(?:\w+/)?(\w+)(?:\.py)?`", layout))
+    modules = [p for p in sorted((ROOT / "autofit").rglob("*.py")) if p.name != "__init__.py"]
+    assert [str(p.relative_to(ROOT)) for p in modules if p.stem not in named] == []

@@ -435,3 +435,11 @@ def test_run_reports_batches_handed_over_on_the_device_and_nothing_else():
     assert [leak["kind"] for leak in result.leaks] == ["batch-on-device"]
     clean = autofit.run(tiny(), batches(), budget="1GiB", progress=False, cache=False)
     assert clean.leaks == []
+
+
+def test_a_run_that_does_not_fit_carries_the_leaks_it_found_in_its_error():
+    with autofit.simulate_gpu("40KiB"), pytest.raises(autofit.DoesNotFit) as raised:
+        data = batches(2)
+        autofit.run(tiny(), data, progress=False, cache=False, capacity_check=False)
+    assert [leak["kind"] for leak in raised.value.leaks] == ["batch-on-device"]
+    assert "leaks: 1 found" in explain(raised.value)

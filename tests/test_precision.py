@@ -8,7 +8,7 @@ import torch
 import autofit.estimator.capacity
 import autofit.plans.plan
 from autofit import cli
-from autofit.cache.fingerprint import job_key
+from autofit.cache.fingerprint import DeviceKey, job_key
 from autofit.recipes.options import Options
 from autofit.plans import precision
 from autofit.estimator.cost import candidate_plans, plan_cost
@@ -101,4 +101,4 @@ def test_a_precision_added_to_the_registry_is_offered_everywhere(monkeypatch):
         Options(precision="fp4")
     with pytest.raises(TypeError, match=r"pass the policy, one of auto, fp32, bf16, fp16, fp8\.$"):
         job_key(model=torch.nn.Linear(2, 2), batch=torch.zeros(2, 2), optimizer_name="AdamW", global_batch=2,
-                precision=None, device_name="simulated", device_total=None, budget=None)
+                precision=None, device=DeviceKey("simulated"))

@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -107,17 +108,33 @@ def _check_int(name: str, value, *, allow_none: bool, minimum: int, hint: str) -
 _BYTES_HINT = "pass bytes, e.g. autofit.parse_size('2GiB')"
 
 
-def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: str,
-            device_name: str, device_total: int | None, budget: int | None,
-            parallel: dict | None = None) -> tuple[str, dict]:
-    """(SHA-256 hex key, the JSON-serializable fields it hashes) for one training job on one device.
+@dataclass(frozen=True)
+class DeviceKey:
+    """Where a job runs, as its cache key names it; checked when made."""
 
-    `device_name` is the GPU name or "simulated"; `device_total` its total bytes (None when
-    unknown); `budget` the bytes allowed (None: no budget). Versions of torch and autofit are
-    included so an upgrade never reuses a plan measured under other code. `parallel` (under
-    torch.distributed: {"world": ranks, "sharding": "replicated" | "fsdp2", "units": [...]}) keeps a
-    plan of one world size or sharding from being read by another; a single process has none.
-    """
+    device_name: str                 # the GPU name, or "simulated"
+    device_total: int | None = None  # its total bytes; None when unknown
+    budget: int | None = None        # the bytes allowed; None: no budget
+    # Under torch.distributed: {"world": ranks, "sharding": "replicated" | "fsdp2", "units": [...]},
+    # so a plan of one world size or sharding is not read by another; a single process has none.
+    parallel: dict | None = None
+
+    def __post_init__(self):
+        _check_text("device_name", self.device_name, "pass the GPU name or 'simulated'")
+        _check_int("device_total", self.device_total, allow_none=True, minimum=0,
+                   hint=_BYTES_HINT + ", or None when unknown")
+        _check_int("budget", self.budget, allow_none=True, minimum=1, hint=_BYTES_HINT + ", or None for no budget")
+        parallel = self.parallel
+        if parallel is not None and (not isinstance(parallel, dict) or not isinstance(parallel.get("world"), int)):
+            raise TypeError(f"parallel must be a dict with an int 'world' but got {parallel!r}; pass "
+                            f"None for a single process.")
+
+
+def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: str,
+            device: DeviceKey) -> tuple[str, dict]:
+    """(SHA-256 hex key, the JSON-serializable fields it hashes) for one training job on one device.
+    Versions of torch and autofit are included so an upgrade never reuses a plan measured under
+    other code."""
     fields = {
         "model": model_fingerprint(model),
         "batch": batch_signature(batch),
@@ -126,19 +143,11 @@ def job_key(*, model, batch, optimizer_name: str, global_batch: int, precision: 
         "global_batch": _check_int("global_batch", global_batch, allow_none=False, minimum=1,
                                    hint="pass the samples per optimizer step"),
         "precision": _check_text("precision", precision, "pass the policy, one of " + ", ".join(policies())),
-        "device": {
-            "name": _check_text("device_name", device_name, "pass the GPU name or 'simulated'"),
-            "total": _check_int("device_total", device_total, allow_none=True, minimum=0,
-                                hint=_BYTES_HINT + ", or None when unknown"),
-        },
-        "budget": _check_int("budget", budget, allow_none=True, minimum=1,
-                             hint=_BYTES_HINT + ", or None for no budget"),
+        "device": {"name": device.device_name, "total": device.device_total},
+        "budget": device.budget,
         "torch": str(torch.__version__),
         "autofit": autofit_version(),
     }
-    if parallel is not None:
-        if not isinstance(parallel, dict) or not isinstance(parallel.get("world"), int):
-            raise TypeError(f"parallel must be a dict with an int 'world' but got {parallel!r}; pass "
-                            f"None for a single process.")
-        fields["parallel"] = parallel
+    if device.parallel is not None:
+        fields["parallel"] = device.parallel
     return _digest(fields), fields

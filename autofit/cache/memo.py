@@ -20,7 +20,7 @@ import math
 import time
 
 from autofit.cache.store import PlanCache
-from autofit.cache.fingerprint import job_key
+from autofit.cache.fingerprint import DeviceKey, job_key
 from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
@@ -39,9 +39,9 @@ class Memo:
             return
         self.key, self.fields = job_key(
             model=model, batch=batch, optimizer_name=type(optimizer).__name__,
-            global_batch=global_batch, precision=precision, device_name=device.name,
-            device_total=getattr(device, "total_bytes", None), budget=device.budget,
-            parallel=getattr(device, "parallel", None))
+            global_batch=global_batch, precision=precision,
+            device=DeviceKey(device.name, getattr(device, "total_bytes", None), device.budget,
+                             getattr(device, "parallel", None)))
         self.global_batch = global_batch
         self.precision = precision
         try:

@@ -8,6 +8,7 @@ import inspect
 import sys
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -167,57 +168,97 @@ def locate(objects: list, ignore: set, current_optimizer=None, skip_files=()) ->
         owners = _dict_owners([r for rs in refs.values() for r in rs
                                if type(r) is dict and id(r) not in modules])
         closures = _closure_owners([r for rs in refs.values() for r in rs if isinstance(r, types.CellType)])
+        names = _Names(modules, stack, owners, closures)
         still = []
         for i in open_:
             obj = current[i]
-            found = _step_up(obj, refs.get(id(obj), []), modules, stack, owners, closures, holders[i],
-                             trail[i], current_optimizer)
+            found = _step_up(obj, refs.get(id(obj), []), names, holders[i], trail[i], current_optimizer)
             if found is None:
                 continue  # named, or nothing to climb to
             current[i] = found
             still.append(i)
         open_ = still
-        del level, refs, owners, closures
+        del level, refs, owners, closures, names
     for i, h in enumerate(holders):
         h.outer = "".join(reversed(trail[i][1:]))  # trail[i][0] reaches the tensor itself
     del current, trail
     return holders
 
 
-def _step_up(obj, referrers, modules, stack, owners, closures, holder: _Holder, trail: list,
-             current_optimizer):
+@dataclass(frozen=True)
+class _Names:
+    """What names a referrer at one level of the search: module globals, the stack's locals,
+    the instances owning a `__dict__`, the functions owning a closure cell."""
+
+    modules: dict   # id(a module's __dict__) -> the module's name
+    stack: object   # () -> {id(obj): (variable, function)} of the frames on this stack
+    owners: dict    # id(a __dict__) -> the instance it belongs to
+    closures: dict  # id(a cell) -> (function, the captured variable's name)
+
+
+def _step_up(obj, referrers, names: _Names, holder: _Holder, trail: list, current_optimizer):
     """Name `obj` from its referrers, or return the container to climb to next (None: stop)."""
-    for r in referrers:  # a module global names it best
-        name = modules.get(id(r))
+    root = _root(obj, referrers, names)
+    if root is not None:
+        holder.root = root
+        return None
+    return _climb(obj, referrers, names.owners, holder, trail, current_optimizer)
+
+
+def _root(obj, referrers, names: _Names) -> str | None:
+    """The name that holds `obj` itself, best first: a module global, a variable a closure
+    captured, a local of a frame on this stack, a local of a frame not on it (a generator, a kept
+    traceback)."""
+    for r in referrers:
+        name = names.modules.get(id(r))
         if name is not None:
             key = next((k for k, v in r.items() if v is obj), None)
             if key is not None:
-                holder.root = f"the global `{key}` of module {name}"
-                return None
-    for r in referrers:  # a variable a closure captured
+                return f"the global `{key}` of module {name}"
+    for r in referrers:
         if isinstance(r, types.CellType):
-            owner = closures.get(id(r))
+            owner = names.closures.get(id(r))
             if owner is not None:
                 fn, var = owner
-                holder.root = f"the variable `{var}` captured by {fn.__qualname__}()"
-                return None
-    named = stack().get(id(obj))
+                return f"the variable `{var}` captured by {fn.__qualname__}()"
+    named = names.stack().get(id(obj))
     if named is not None:
         var, fn = named
-        holder.root = f"the local variable `{var}` of {fn}()"
-        return None
-    for r in referrers:  # a frame not on this stack (a generator, a kept traceback)
+        return f"the local variable `{var}` of {fn}()"
+    for r in referrers:
         if isinstance(r, types.FrameType):
             var = next((k for k, v in _frame_locals(r) if v is obj), None)
             if var is not None:
-                holder.root = f"the local variable `{var}` of {r.f_code.co_qualname}()"
-                return None
+                return f"the local variable `{var}` of {r.f_code.co_qualname}()"
+    return None
+
+
+def _climb(obj, referrers, owners: dict, holder: _Holder, trail: list, current_optimizer):
+    """The container to climb to from `obj` (another optimizer first, then an instance whose
+    attribute holds it, then any container), its accessor appended to `trail`; None: stop."""
     for r in referrers:
         if isinstance(r, torch.optim.Optimizer) and r is not current_optimizer:
             holder.optimizer = _optimizer_words(r)
             trail.append(".state")
             return r  # climb on: name the optimizer itself
-    # An instance whose attribute (or whose __dict__) holds it; then containers.
+    best = _holding(obj, referrers, owners)
+    if best is None:
+        return None
+    owner, acc = best
+    if isinstance(owner, torch.optim.Optimizer):
+        if owner is current_optimizer:
+            return None  # the current optimizer's own state: not a leak (filtered before)
+        holder.optimizer = _optimizer_words(owner)
+    if holder.container is None:
+        holder.container = _describe_container(owner)
+    trail.append(acc)
+    return owner
+
+
+def _holding(obj, referrers, owners: dict):
+    """(container, accessor) of the referrer that holds `obj` best: an instance's attribute
+    first, else an attribute-style accessor over an item, the current optimizer at once; None
+    when none does."""
     best = None
     for r in referrers:
         if isinstance(r, (types.FrameType, types.CellType, types.FunctionType, type)):
@@ -227,26 +268,15 @@ def _step_up(obj, referrers, modules, stack, owners, closures, holder: _Holder, 
             if owner is not None:
                 key = next((k for k, v in r.items() if v is obj), None)
                 if key is not None:
-                    best = (owner, f".{key}")
-                    break
+                    return owner, f".{key}"
         acc = _accessor(r, obj)
         if acc is None:
             continue
         if isinstance(r, torch.optim.Optimizer):
-            return None  # the current optimizer's own state: not a leak (filtered before)
+            return r, acc  # the current optimizer (another one was climbed to before): stop there
         if best is None or (acc.startswith(".") and not best[1].startswith(".")):
             best = (r, acc)
-    if best is None:
-        return None
-    owner, acc = best
-    if isinstance(owner, torch.optim.Optimizer):
-        if owner is current_optimizer:
-            return None
-        holder.optimizer = _optimizer_words(owner)
-    if holder.container is None:
-        holder.container = _describe_container(owner)
-    trail.append(acc)
-    return owner
+    return best
 
 
 def _closure_owners(cells) -> dict:

@@ -8,6 +8,7 @@ by the rule of autofit.plans.applies) is not offered.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 from autofit.plans import switches
@@ -79,94 +80,142 @@ def fixes_for(memory: dict, plan, budget: int | None = None, where: str = "",
     return [f for f in out if id(f) not in dropped]
 
 
+class _Failure(NamedTuple):
+    """A failure's memory by kind, in bytes, and what its shares are measured against."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    other: int
+    step: int         # the optimizer step's temporaries, for its phases
+    total: int        # everything in use at the failure
+    limit: int        # the budget, else the total
+    limit_words: str  # what `limit` is, for the message
+
+    @classmethod
+    def of(cls, memory: dict, budget) -> "_Failure":
+        params, grads, optimizer, activations, other = (int(memory.get(k, 0)) for k in KINDS)
+        step = int(memory.get("step", 0))
+        # "batch": the global batch autofit read onto the device; part of the step, never the user's
+        total = sum(int(memory.get(k, 0)) for k in KINDS) + step + int(memory.get("batch", 0))
+        limit_words = f"the {format_size(budget)} budget" if budget else \
+            f"the {format_size(total)} in use at the failure"
+        return cls(params, grads, optimizer, activations, other, step, total, budget or total, limit_words)
+
+
 def _fixes(memory: dict, plan, budget, where: str) -> list[Fix]:
     if not memory:
         return []
-    params, grads, optimizer, activations, other = (int(memory.get(k, 0)) for k in KINDS)
-    step = int(memory.get("step", 0))  # the optimizer step's temporaries, for its phases
-    # "batch": the global batch autofit read onto the device; part of the step, never the user's
-    total = sum(int(memory.get(k, 0)) for k in KINDS) + step + int(memory.get("batch", 0))
-    limit = budget or total
-    limit_words = f"the {format_size(budget)} budget" if budget else \
-        f"the {format_size(total)} in use at the failure"
-    out: list[Fix] = []
+    failure = _Failure.of(memory, budget)
+    rules = _ANY_PHASE + ((partial(_step_fixes, where),) if where.startswith("optimizer") else _ACTIVATION_PHASES)
+    return [fix for rule in rules for fix in rule(failure, plan)]
 
-    # Training state alone: params + grads + optimizer (AdamW's 2x params when not yet allocated).
+
+def _lighter_model(f: _Failure, plan) -> list[Fix]:
+    """Training state alone: params + grads + optimizer (AdamW's 2x params when not yet allocated)."""
     own_optimizer = 0 if plan.offload_optimizer else (
-        optimizer if 0 < optimizer <= EXCESS_OPTIMIZER * params else ADAMW_STATE * params)
-    state = params + max(grads, params) + own_optimizer
-    if limit and state >= STATE_SHARE * limit:
-        out.append(Fix("lighter-model", "a lighter model variant", (
-            f"the parameters ({format_size(params)}) with their gradients"
-            f"{'' if plan.offload_optimizer else ' and AdamW state'} need about {format_size(state)} "
-            f"before any activation, {_pct(state, limit)} of {limit_words}; no batch size fixes that. "
-            f"Take a smaller variant (DistilBERT instead of BERT-base, TinyBERT instead of "
-            f"DistilBERT), freeze layers, or train adapters (LoRA) so fewer parameters carry "
-            f"gradients and optimizer state.")))
-
-    leftover = _optimizer_leftover(params, optimizer, other)
-    if leftover:
-        out.append(Fix("free-previous-optimizer", "free a previous optimizer", (
-            f"{leftover}; an optimizer from an earlier phase (pretraining "
-            f"before fine-tuning, say) is probably still alive. `del optimizer, scheduler` and "
-            f"anything else that references them, then `gc.collect(); torch.cuda.empty_cache()`, "
-            f"before building the next one.")))
-
-    if other and total and other >= HELD_SHARE * total:
-        out.append(Fix("held-tensors", "batches or tensors already on the device", (
-            f"{format_size(other)} ({_pct(other, total)}) "
-            f"was held outside the step. Keep batches on the CPU (autofit moves each micro-batch "
-            f"itself), keep Python numbers (loss.item()) instead of losses or outputs across "
-            f"steps, and `del` what the next step does not need; autofit cannot free what your "
-            f"code still references.")))
-
-    if where.startswith("optimizer"):
-        return out + _step_fixes(where, plan, params, optimizer, step, total)
-
-    big_activations = total and activations >= LARGE_SHARE * total
-    if total and activations >= DOMINATE_SHARE * total and plan.micro_batch_size > 1:
-        half = plan.micro_batch_size // 2
-        steps = -(-plan.global_batch // half)
-        out.append(Fix("accumulation", "gradient accumulation", (
-            f"activations ({format_size(activations)}, "
-            f"{_pct(activations, total)}) dominate and grow with the micro-batch; micro-batches of "
-            f"{half} with {steps} accumulation steps keep the global batch and its gradient while "
-            f"holding about half the activations.")))
-    if big_activations and not precisions.get(plan.precision).mixed:
-        out.append(Fix("amp", "mixed precision (AMP)", (
-            f"bf16 autocast (fp16 with a GradScaler where bf16 is "
-            f"unsupported) keeps activations in 16 bits, roughly halving the "
-            f"{format_size(activations)} of activations.")))
-    # Each fix below is its own memory rule, so the switches are read by name (not from the registry).
-    if big_activations and not plan.checkpointing:
-        out.append(Fix("checkpointing", "activation checkpointing", (
-            f"model.gradient_checkpointing_enable() on Hugging Face models keeps only each layer's "
-            f"input and recomputes the rest in backward, trading "
-            f"about a third more compute for most of the {format_size(activations)} of activations.")))
-    if total and optimizer >= OFFLOAD_SHARE * total and not plan.offload_optimizer:
-        out.append(Fix("offload", "optimizer offload", (
-            f"its state ({format_size(optimizer)}, {_pct(optimizer, total)}) can "
-            f"live in CPU memory and be stepped there, at the cost of host-device copies.")))
-    return out
+        f.optimizer if 0 < f.optimizer <= EXCESS_OPTIMIZER * f.params else ADAMW_STATE * f.params)
+    state = f.params + max(f.grads, f.params) + own_optimizer
+    if not (f.limit and state >= STATE_SHARE * f.limit):
+        return []
+    return [Fix("lighter-model", "a lighter model variant", (
+        f"the parameters ({format_size(f.params)}) with their gradients"
+        f"{'' if plan.offload_optimizer else ' and AdamW state'} need about {format_size(state)} "
+        f"before any activation, {_pct(state, f.limit)} of {f.limit_words}; no batch size fixes that. "
+        f"Take a smaller variant (DistilBERT instead of BERT-base, TinyBERT instead of "
+        f"DistilBERT), freeze layers, or train adapters (LoRA) so fewer parameters carry "
+        f"gradients and optimizer state."))]
 
 
-def _step_fixes(where: str, plan, params: int, optimizer: int, step: int, total: int) -> list[Fix]:
+def _previous_optimizer(f: _Failure, plan) -> list[Fix]:
+    leftover = _optimizer_leftover(f.params, f.optimizer, f.other)
+    if not leftover:
+        return []
+    return [Fix("free-previous-optimizer", "free a previous optimizer", (
+        f"{leftover}; an optimizer from an earlier phase (pretraining "
+        f"before fine-tuning, say) is probably still alive. `del optimizer, scheduler` and "
+        f"anything else that references them, then `gc.collect(); torch.cuda.empty_cache()`, "
+        f"before building the next one."))]
+
+
+def _held_tensors(f: _Failure, plan) -> list[Fix]:
+    if not (f.other and f.total and f.other >= HELD_SHARE * f.total):
+        return []
+    return [Fix("held-tensors", "batches or tensors already on the device", (
+        f"{format_size(f.other)} ({_pct(f.other, f.total)}) "
+        f"was held outside the step. Keep batches on the CPU (autofit moves each micro-batch "
+        f"itself), keep Python numbers (loss.item()) instead of losses or outputs across "
+        f"steps, and `del` what the next step does not need; autofit cannot free what your "
+        f"code still references."))]
+
+
+def _big_activations(f: _Failure) -> bool:
+    return bool(f.total) and f.activations >= LARGE_SHARE * f.total
+
+
+def _accumulation(f: _Failure, plan) -> list[Fix]:
+    if not (f.total and f.activations >= DOMINATE_SHARE * f.total and plan.micro_batch_size > 1):
+        return []
+    half = plan.micro_batch_size // 2
+    steps = -(-plan.global_batch // half)
+    return [Fix("accumulation", "gradient accumulation", (
+        f"activations ({format_size(f.activations)}, "
+        f"{_pct(f.activations, f.total)}) dominate and grow with the micro-batch; micro-batches of "
+        f"{half} with {steps} accumulation steps keep the global batch and its gradient while "
+        f"holding about half the activations."))]
+
+
+# Each fix below is its own memory rule, so the switches are read by name (not from the registry).
+def _amp(f: _Failure, plan) -> list[Fix]:
+    if not (_big_activations(f) and not precisions.get(plan.precision).mixed):
+        return []
+    return [Fix("amp", "mixed precision (AMP)", (
+        f"bf16 autocast (fp16 with a GradScaler where bf16 is "
+        f"unsupported) keeps activations in 16 bits, roughly halving the "
+        f"{format_size(f.activations)} of activations."))]
+
+
+def _checkpointing(f: _Failure, plan) -> list[Fix]:
+    if not (_big_activations(f) and not plan.checkpointing):
+        return []
+    return [Fix("checkpointing", "activation checkpointing", (
+        f"model.gradient_checkpointing_enable() on Hugging Face models keeps only each layer's "
+        f"input and recomputes the rest in backward, trading "
+        f"about a third more compute for most of the {format_size(f.activations)} of activations."))]
+
+
+def _offload(f: _Failure, plan) -> list[Fix]:
+    if not (f.total and f.optimizer >= OFFLOAD_SHARE * f.total and not plan.offload_optimizer):
+        return []
+    return [Fix("offload", "optimizer offload", (
+        f"its state ({format_size(f.optimizer)}, {_pct(f.optimizer, f.total)}) can "
+        f"live in CPU memory and be stepped there, at the cost of host-device copies."))]
+
+
+def _step_fixes(where: str, f: _Failure, plan) -> list[Fix]:
     """Fixes for a failure inside optimizer.step(): what lowers the step's own peak."""
     out = []
-    if where == "optimizer.step" and step and not plan.per_parameter_step and not plan.offload_optimizer:
+    if where == "optimizer.step" and f.step and not plan.per_parameter_step and not plan.offload_optimizer:
         out.append(Fix("per-parameter-step", "a per-parameter optimizer step (foreach=False)", (
-            f"the optimizer step itself ran out of memory: its temporaries took {format_size(step)} "
+            f"the optimizer step itself ran out of memory: its temporaries took {format_size(f.step)} "
             f"on top of the parameters, gradients and state (a foreach step makes them for every "
             f"parameter at once); foreach=False updates one parameter at a time, so they are one "
             f"parameter's. A smaller micro-batch, AMP or checkpointing would not help: they shrink "
             f"activations, which are gone by the step.")))
     if not plan.offload_optimizer:
-        if optimizer:
-            what = f"its state ({format_size(optimizer)}, {_pct(optimizer, total)})"
+        if f.optimizer:
+            what = f"its state ({format_size(f.optimizer)}, {_pct(f.optimizer, f.total)})"
         else:  # the first step failed making it
-            what = (f"its state (about {format_size(ADAMW_STATE * params)} for AdamW, which this "
+            what = (f"its state (about {format_size(ADAMW_STATE * f.params)} for AdamW, which this "
                     f"first step was creating)")
         out.append(Fix("offload", "optimizer offload", (
             f"{what} can live in CPU memory and be stepped there, at the cost of host-device "
             f"copies.")))
     return out
+
+
+# The rules in the order their fixes are given, most basic first: these for any failure, then
+# the optimizer step's own (activations are gone by then) or those for activations.
+_ANY_PHASE = (_lighter_model, _previous_optimizer, _held_tensors)
+_ACTIVATION_PHASES = (_accumulation, _amp, _checkpointing, _offload)

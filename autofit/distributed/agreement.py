@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,20 @@ def _describe(error: BaseException) -> str:
 def where(step: int, phase: int) -> str:
     """'at global step 3, in forward/backward'."""
     return f"at global step {step}, {PHASES[phase] if 0 <= phase < len(PHASES) else 'phase %d' % phase}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a rank reports at an agreement besides its outcome: the header's free fields (what each
+    means is the caller's: a budget, a share's rows, a norm), and an optional mask of floats."""
+
+    value: float = 0.0
+    value2: float = 0.0
+    value3: float = 0.0
+    flag: bool = False
+    plan: Plan | None = None   # sent as its hash: ranks on different plans are out of step
+    collective: int = 0        # the FSDP collective this agreement stands in front of (0: none)
+    mask: list[float] | None = None
 
 
 class Verdict:
@@ -222,12 +237,11 @@ class Agreement:
         return RankFailed(f"rank {rank} stopped the run: {reason}; every rank stops, this is rank "
                           f"{self.rank}.", rank=rank if failed is None else failed, error=reason)
 
-    def exchange(self, phase: int, *, failure: BaseException | None = None, value: float = 0.0,
-                 value2: float = 0.0, flag: bool = False, plan: Plan | None = None,
-                 mask: list[float] | None = None, host=contextlib.nullcontext,
-                 collective: int = 0, value3: float = 0.0) -> Verdict:
-        """One agreement. Call it outside any `except` block (an error raised here must not look
-        like it was raised while handling an OOM)."""
+    def exchange(self, phase: int, *, failure: BaseException | None = None, report: Report = Report(),
+                 host=contextlib.nullcontext) -> Verdict:
+        """One agreement: this rank's outcome and `report` against every other rank's. Call it
+        outside any `except` block (an error raised here must not look like it was raised while
+        handling an OOM)."""
         code = OK if failure is None else ERROR if phase == FAREWELL or not is_oom(failure) else OOM
         presence = self._presence()
         if presence.stopped is not None:  # another rank ended the run: no one answers any more
@@ -238,10 +252,11 @@ class Agreement:
         n = len(FIELDS)
         with host():  # tiny CPU tensors that must never count against a simulated budget
             header = torch.zeros(n + (self.mask_size if self.met else 0), dtype=torch.float64)
-            header[:n] = torch.tensor([code, phase, self.step, plan_hash(plan), value, value2,
-                                       float(flag), self.model_hash, collective, value3], dtype=torch.float64)
-            if mask is not None and self.met:
-                header[n:] = torch.tensor(mask, dtype=torch.float64)
+            header[:n] = torch.tensor([code, phase, self.step, plan_hash(report.plan), report.value,
+                                       report.value2, float(report.flag), self.model_hash, report.collective,
+                                       report.value3], dtype=torch.float64)
+            if report.mask is not None and self.met:
+                header[n:] = torch.tensor(report.mask, dtype=torch.float64)
             rows = [t.tolist() for t in self._all_gather(header)]
             messages = None
             if any(int(row[0]) != OK for row in rows):
@@ -255,10 +270,12 @@ class Agreement:
             self.settled = True
         return verdict
 
-    def agree(self, phase: int, failure: BaseException | None = None, **fields) -> Verdict:
+    def agree(self, phase: int, failure: BaseException | None = None, host=contextlib.nullcontext,
+              **report) -> Verdict:
         """An agreement after which this rank raises what it must: its own failure, or what the
-        others' outcomes mean. Returns the verdict when every rank succeeded."""
-        verdict = self.exchange(phase, failure=failure, **fields)
+        others' outcomes mean. `report`: the fields of `Report`. Returns the verdict when every
+        rank succeeded."""
+        verdict = self.exchange(phase, failure=failure, report=Report(**report), host=host)
         if failure is not None and verdict.keeps_own():
             try:
                 raise failure

@@ -110,7 +110,7 @@ import zlib
 import torch
 
 from autofit.distributed.agreement import BACKWARD, DONE, ERROR, EVALUATE, HELLO, OPTIMIZER, SHARES, STEP
-from autofit.distributed.agreement import Agreement, where
+from autofit.distributed.agreement import Agreement, Report, where
 from autofit.distributed.decide import Deciding
 from autofit.distributed.data import DATASET, ITERABLE, SAMPLED, distributed_sampler, per_rank
 from autofit.distributed.data import content_hash, eval_share
@@ -433,7 +433,7 @@ class Lockstep(Deciding, Agreement):
             if guarded:
                 self.agree(STEP, failure=failure, plan=plan, host=self._host)
                 return
-            verdict = self.exchange(STEP, failure=failure, plan=plan, host=self._host)
+            verdict = self.exchange(STEP, failure=failure, report=Report(plan=plan), host=self._host)
             if verdict.own == ERROR:  # a non-OOM error is this rank's own, raised as it was
                 try:
                     raise failure

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -84,6 +85,14 @@ def offload_hook(runner: StepRunner, plan: Plan) -> None:
     runner.set_offload(plan.offload_optimizer)
 
 
+@dataclass(frozen=True)
+class Update:
+    """What a global batch's optimizer step does besides stepping: clip before it, schedule after."""
+
+    scheduler: object = None              # an LR scheduler, stepped once per optimizer step
+    max_grad_norm: float | None = None    # the accumulated gradient clipped to this norm (None: not)
+
+
 class StepRunner:
     """Executes global steps; owns the per-plan switches so a plan change is one call."""
 
@@ -93,18 +102,16 @@ class StepRunner:
     sharded = None  # distributed/fsdp.Sharded: a sharded model's FSDP2 switches, set by their hooks
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Device, *,
-                 scheduler=None, loss_fn: Callable | None = None, count_tokens: Callable | None = None,
-                 sync: Callable | None = None, forward: Callable | None = None,
-                 max_grad_norm: float | None = None, weighting=None):
+                 update: Update = Update(), loss_fn: Callable | None = None, count_tokens: Callable | None = None,
+                 weighting=None, sync: Callable | None = None):
         self.model, self.optimizer, self.device = model, optimizer, device
         # token_loss.LossWeighting: how micro losses add up (None: count_tokens' shares, else rows)
         self.weighting = weighting
-        self.scheduler, self.loss_fn, self.count_tokens = scheduler, loss_fn, count_tokens
-        self.max_grad_norm = max_grad_norm
+        self.loss_fn, self.count_tokens = loss_fn, count_tokens
+        self.scheduler, self.max_grad_norm = update.scheduler, update.max_grad_norm
         self.grad_norm: float | None = None  # the last step's gradient norm, before clipping
         # sync(i, last) -> context around micro-step i's forward and backward (DDP's no_sync).
         self.sync = sync or (lambda i, last: contextlib.nullcontext())
-        self.forward = forward if forward is not None else model  # what is called (a DDP wrapper)
         self.checkpointing = Checkpointing(model)
         self.atomic = AtomicStep(optimizer, device)
         self.offloaded: Offload | None = None
@@ -209,7 +216,7 @@ class StepRunner:
             with self.sync(i, i == len(parts) - 1):
                 self.phase = "forward"
                 with torch.autocast(self.device.type, dtype=precisions.get(plan.precision).autocast_dtype, enabled=autocast):
-                    loss = compute_loss(self.forward, part, self.loss_fn, items, keep=self.kept.append)
+                    loss = compute_loss(self.model, part, self.loss_fn, items, keep=self.kept.append)
                 scaled = loss * share
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)

@@ -105,14 +105,26 @@ def _metric_name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How one evaluation runs, besides its model, data, device and sizer (see `evaluate`)."""
+
+    loss_fn: LossFn | None = None          # already seeing batches as the data gives them
+    metric_fn: MetricFn | None = None
+    batch_size: int | None = None          # the most rows one forward may take
+    start_batch_size: int | None = None
+    expect_like: Batch | None = None
+    progress: bool = False
+    pace: Pace | None = None               # None: alone
+
+
 class _Evaluator:
-    def __init__(self, model, device, loss_fn, metric_fn, sizer, ceiling, expect_like, first_reason,
-                 pace=None):
+    def __init__(self, model, device, options: EvalOptions, sizer: EvalSizer, first_reason: str):
         self.model, self.device = model, device
-        self.loss_fn, self.metric_fn = loss_fn, metric_fn
-        self.sizer, self.ceiling, self.expect_like = sizer, ceiling, expect_like
-        self.pace = pace if pace is not None else Alone()
-        self.count_tokens = token_counter(model, device) if loss_fn is None else None
+        self.loss_fn, self.metric_fn = options.loss_fn, options.metric_fn
+        self.sizer, self.ceiling, self.expect_like = sizer, options.batch_size, options.expect_like
+        self.pace = options.pace if options.pace is not None else Alone()
+        self.count_tokens = token_counter(model, device) if self.loss_fn is None else None
         self.reason = first_reason
         self.attempts: list[EvalAttempt] = []
         self.output = None  # the model's output of the current forward, for metric_fn
@@ -328,46 +340,70 @@ def evaluate(model: torch.nn.Module, data: Data, *, loss_fn: LossFn | None = Non
     check_arguments(model, loss_fn, metric_fn, batch_size, start_batch_size, device, budget)
     check_data(data)
     if layout is None:
-        layout = Layout(batch_dim)
-        layout.check_model(model)
-        if not layout.row_first and is_map_dataset(data):
-            raise ValueError(f"batch_dim={batch_dim!r} with a map-style Dataset "
-                             f"({type(data).__name__}): its samples are collated rows first; pass "
-                             f"batches laid out as batch_dim says (a DataLoader or a list), or no batch_dim.")
+        layout = _layout(model, data, batch_dim)
         data, loss_fn = layout.over(data), layout.loss_fn(loss_fn)
-    metric_fn = layout.metric_fn(metric_fn)
+    options = EvalOptions(loss_fn=loss_fn, metric_fn=layout.metric_fn(metric_fn), batch_size=batch_size,
+                          start_batch_size=start_batch_size, expect_like=expect_like, progress=progress,
+                          pace=pace)
     sizer = sizer if sizer is not None else EvalSizer()
+    reason = _first_size(sizer, options, data)
+    opened = contextlib.nullcontext(device) if device is not None else open_device(budget)
+    with opened as dev:
+        if device is None:
+            dev.place_model(model)
+        with _evaluation_mode(model, dev):
+            result = _evaluate_on(dev, model, data, options, sizer, reason)
+        result.kept = joined(result.kept, layout)
+        return result
+
+
+def _layout(model, data, batch_dim) -> Layout:
+    layout = Layout(batch_dim)
+    layout.check_model(model)
+    if not layout.row_first and is_map_dataset(data):
+        raise ValueError(f"batch_dim={batch_dim!r} with a map-style Dataset "
+                         f"({type(data).__name__}): its samples are collated rows first; pass "
+                         f"batches laid out as batch_dim says (a DataLoader or a list), or no batch_dim.")
+    return layout
+
+
+def _first_size(sizer: EvalSizer, options: EvalOptions, data) -> str:
+    """Give `sizer` the first evaluation batch size when it knows none yet; returns why that size."""
     if sizer.size is not None:
         reason = f"kept: {sizer.size} rows, the evaluation batch of an earlier evaluation"
-    elif start_batch_size is not None:
-        sizer.size, reason = start_batch_size, f"start: start_batch_size={start_batch_size}"
-    elif batch_size is not None:
-        sizer.size, reason = batch_size, f"start: batch_size={batch_size}"
+    elif options.start_batch_size is not None:
+        sizer.size, reason = options.start_batch_size, f"start: start_batch_size={options.start_batch_size}"
+    elif options.batch_size is not None:
+        sizer.size, reason = options.batch_size, f"start: batch_size={options.batch_size}"
     elif is_map_dataset(data):
         sizer.size, reason = DEFAULT_DATASET_BATCH, f"start: the default of {DEFAULT_DATASET_BATCH} rows"
     else:
         reason = "start: each batch as the data yields it"
     if sizer.fails is not None:
         reason += f" (below {sizer.fails} rows, known to fail)"
+    return reason
 
-    opened = contextlib.nullcontext(device) if device is not None else open_device(budget)
-    modes = _modes(model)
-    buffers = _buffers(model)
-    with opened as dev:
-        if device is None:
-            dev.place_model(model)
-        evaluator = _Evaluator(model, dev, loss_fn, metric_fn, sizer, batch_size, expect_like, reason, pace)
-        hook = model.register_forward_hook(evaluator.capture) if metric_fn is not None else None
-        model.eval()
-        try:
-            result = evaluator.run(units(data, sizer, batch_size, dev.host), progress)
-            result.kept = joined(result.kept, layout)
-            return result
-        finally:
-            if hook is not None:
-                hook.remove()
-            evaluator.output = None
-            for module, training in modes:
-                module.training = training
-            _normal_buffers(model, buffers)
-            dev.empty_cache()
+
+@contextlib.contextmanager
+def _evaluation_mode(model, device):
+    """The model in eval mode, and every submodule's mode and normal buffers back afterwards."""
+    modes, buffers = _modes(model), _buffers(model)
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        _normal_buffers(model, buffers)
+        device.empty_cache()
+
+
+def _evaluate_on(device, model, data, options: EvalOptions, sizer: EvalSizer, reason: str) -> EvalResult:
+    evaluator = _Evaluator(model, device, options, sizer, reason)
+    hook = model.register_forward_hook(evaluator.capture) if options.metric_fn is not None else None
+    try:
+        return evaluator.run(units(data, sizer, options.batch_size, device.host), options.progress)
+    finally:
+        if hook is not None:
+            hook.remove()
+        evaluator.output = None

@@ -17,7 +17,7 @@ from autofit.plans.plan import Plan
 from autofit.recipes.options import Options, check_model, keywords
 from autofit.recipes.training import Training
 from autofit.tuning.tune import tune_for_run
-from autofit.tuning.options import run_options
+from autofit.tuning.options import TuneOptions, run_options
 
 
 @dataclass
@@ -88,18 +88,19 @@ def run(model: torch.nn.Module, data: Data, *, epochs: int = 1, batch_size: int 
         tune_options = run_options(tune)
     check_model(model)
     job = Options.of("autofit.run", options)
+    tuning = None if tune_options is None else \
+        TuneOptions(**tune_options, precision=job.precision, loss_fn=job.loss_fn, cache=job.cache)
     check_optimizer(job.optimizer)
     # The lockstep opens here, before the data is read: every failure after this is announced.
     training = Training(model, job)
-    if not training.layout.row_first and (tune_options is not None or batch_size is not None):
+    if not training.layout.row_first and (tuning is not None or batch_size is not None):
         raise ValueError(f"batch_dim={job.batch_dim!r} needs data given as batches laid out that way, "
                          f"trained as given: not with batch_size= (a Dataset's samples are collated rows "
                          f"first) nor tune= (it measures row-first batches); give a DataLoader or a list "
                          f"of batches and no tune=.")
     with training.lockstep.scope():
-        return _run(training, data, loss_fn=job.loss_fn, epochs=epochs, batch_size=batch_size,
-                    eval_data=eval_data, precision=job.precision, cache=job.cache, metric_fn=metric_fn,
-                    tune_options=tune_options)
+        return _run(training, data, epochs=epochs, batch_size=batch_size, eval_data=eval_data,
+                    metric_fn=metric_fn, tuning=tuning)
 
 
 keywords(run)
@@ -114,15 +115,14 @@ def unbatched(data) -> str:
     return ""
 
 
-def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, cache, metric_fn,
-         tune_options):
+def _run(training, data, *, epochs, batch_size, eval_data, metric_fn, tuning: TuneOptions | None):
     first, epoch_batches = global_batches(data, batch_size, epochs)
     try:
         rows_of(training.layout.rows_first(first))  # raises on a batch that cannot be split
     except ValueError as error:
         raise ValueError(f"{error} {unbatched(data)}".rstrip()) from None
     progress = training.progress
-    if tune_options is not None and training.distributed:
+    if tuning is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "
                          "starts, and every rank of autofit.run starts from the cached plan.")
     if eval_data is not None:  # a wrong field or a one-shot iterator fails now, not after an epoch
@@ -130,11 +130,10 @@ def _run(training, data, *, loss_fn, epochs, batch_size, eval_data, precision, c
 
     with training:
         tuned = None
-        if tune_options is not None:
-            tuned = tune_for_run(tune_options, device=training.device, model=training.model,
+        if tuning is not None:
+            tuned = tune_for_run(tuning, device=training.device, model=training.model,
                                  optimizer=training.optimizer, data=data, first=first,
-                                 epoch_batches=epoch_batches, precision=precision, loss_fn=loss_fn,
-                                 cache=cache)
+                                 epoch_batches=epoch_batches)
         training.start(first, data=data, tuned=tuned, batch_size=batch_size)
         epoch_batches = training.lockstep.epochs(epoch_batches)  # a DistributedSampler's set_epoch
         result = RunResult(plan=training.plan, device=training.device.describe(), optimizer=training.optimizer,

@@ -63,8 +63,10 @@ class Step:
             loss = training.train(batch)
             self._crossing.after()
         except DoesNotFit as error:  # caught inside the block too: the same message as autofit.run's
-            training.explain_refusal(error)
-            raise
+            explained = training.explained(error)
+            if explained is error:
+                raise
+            raise explained.with_traceback(error.__traceback__) from None
         return StepOutput(loss=loss, plan=training.plan, attempts=training.attempts[index:],
                           grad_norm=training.runner.grad_norm, kept=training.kept)
 

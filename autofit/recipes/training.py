@@ -4,12 +4,13 @@ state; the parts that stand alone live in their own modules: options, layout, ke
 
 setup (`Training.__enter__`): the device and its budget, the lockstep under torch.distributed, the
 model placed and in train mode, the optimizer and scheduler built; start (`start(first)`, with the
-first global batch): the plan cache, the start plan (tuned, cached, estimated, or the whole batch),
-the step runner and the controller; each global batch (`train(batch)`); cleanup (`__exit__`): the
-last agreement and the cache written after a clean end, then the model, optimizer and device handed
-back as a plain loop would leave them (checkpointing switches off, the optimizer with its state,
-offloaded state in host memory, the budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s interface
-and agrees with itself, so the recipe reads the same with one rank or many.
+first global batch): the plan cache, the start plan (recipes/starts: resumed, tuned, cached,
+estimated, or the whole batch), the step runner and the controller; each global batch
+(`train(batch)`); cleanup (`__exit__`): the last agreement and the cache written after a clean
+end, then the model, optimizer and device handed back as a plain loop would leave them
+(checkpointing switches off, the optimizer with its state, offloaded state in host memory, the
+budget restored). A single process has no lockstep to keep: `Local` has `distributed.Lockstep`'s
+interface and agrees with itself, so the recipe reads the same with one rank or many.
 """
 
 from __future__ import annotations
@@ -46,13 +47,12 @@ from autofit.plans.ladder import as_move, sharded as sharded_ladder
 from autofit.plans.sizelog import SizeLog
 from autofit.diagnosis.leaks import LeakWatch
 from autofit.integrations import accelerate
-from autofit.plans.applies import not_applicable
 from autofit.cache.memo import Memo
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
-from autofit.estimator.start import (SETTLE_WITHIN, budget_caps, estimated_start, longest_batch,
-                                     make_guide, tensor_budget)
-from autofit.engine.step import StepRunner
+from autofit.estimator.start import budget_caps, tensor_budget
+from autofit.recipes.starts import FirstBatch, Start, first_start
+from autofit.engine.step import StepRunner, Update
 from autofit.engine.token_loss import loss_weighting
 
 log = logging.getLogger("autofit")
@@ -124,90 +124,85 @@ class Training:
         `data` (for the longest batch the capacity check estimates, and its DistributedSampler),
         `tuned` (an autofit.TuneResult), `resume` ((plan, SizeLog) from a stepper's state_dict),
         `batch_size` (when `data` is a map-style Dataset that run batches) are optional."""
-        given, first = first, self.layout.rows_first(first)
-        lockstep, device, model, opt = self.lockstep, self.device, self.model, self.optimizer
-        sizes, precision = self.sizes, self.precision
-        # The first agreement: how the data is given, rank 0's weights on every rank.
-        lockstep.hello(first, data, device, dataset=batch_size is not None)
-        lockstep.check_optimizer(opt)  # one that cannot step FSDP2's shards: refused on every rank
+        row_first = self.layout.rows_first(first)
+        rows = self._first_agreement(row_first, data, batch_size)
+        self.memo = Memo(
+            model=self.model, batch=row_first, optimizer=self.optimizer, global_batch=rows,
+            precision=self.precision, device=self.lockstep.cache_view(self.device),
+            enabled=self.cache and self.lockstep.rank == 0)  # rank 0 owns the cache
+        weighting = self._loss_weighting(row_first)
+        start = self._agreed_start(FirstBatch(first, row_first, rows, data, tuned, resume))
+        self.runner = self._runner(weighting)
+        self.controller = Controller(self.runner, self._moves(), start.plan, reason=start.reason,
+                                     sizes=self.sizes, guide=self.guide,
+                                     rules=self._rules(self.precision, self.device),
+                                     policy=Policy(quiet=not self.progress, settle_within=start.settle_within))
+        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
+        self.watch.check_batch(row_first, data)
+        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+
+    def _first_agreement(self, first, data, batch_size) -> int:
+        """How the data is given, rank 0's weights on every rank, the budgets; returns the rows a
+        plan covers (per rank: the rows of a global batch it covers, the same on every rank)."""
+        lockstep = self.lockstep
+        lockstep.hello(first, data, self.device, dataset=batch_size is not None)
+        lockstep.check_optimizer(self.optimizer)  # one that cannot step FSDP2's shards: refused on every rank
         if batch_size is not None:
             lockstep.check_dataset(len(data), batch_size)
-        lockstep.agree_budgets(device, tensor_budget)
-        # A plan is per rank: the rows of a global batch it covers, the same on every rank.
-        first_rows = lockstep.first_shape(first)[0]
-        self.memo = memo = Memo(
-            model=model, batch=first, optimizer=opt, global_batch=first_rows, precision=precision,
-            device=lockstep.cache_view(device),
-            enabled=self.cache and lockstep.rank == 0)  # rank 0 owns the cache
+        lockstep.agree_budgets(self.device, tensor_budget)
+        return lockstep.first_shape(first)[0]
 
-        # How the loss weighs micro-batches, asked before the start is chosen (a sharded model's
-        # probe runs on every rank at once, agreed): a loss that couples its rows makes the job
-        # batch-coupled (whole-batch plans first, in the capacity check too).
+    def _loss_weighting(self, first):
+        """How the loss weighs micro-batches, asked before the start is chosen (a sharded model's
+        probe runs on every rank at once, agreed): a loss that couples its rows makes the job
+        batch-coupled (whole-batch plans first, in the capacity check too)."""
+        lockstep = self.lockstep
         call = None if lockstep.sharded is None else ShardedEvaluation(lockstep).call
-        weighting = loss_weighting(model, lockstep.local(first), self.loss_fn, device,
+        weighting = loss_weighting(self.model, lockstep.local(first), self.loss_fn, self.device,
                                    probe=lockstep.sharded is None, call=call, ask=not self.distributed)
         if weighting.coupled:
             self.coupling.loss_couples(weighting.coupled)
+        return weighting
+
+    def _agreed_start(self, asked: FirstBatch) -> Start:
+        """The first answer of the start strategies (recipes/starts.py), decided by rank 0 under
+        torch.distributed (its cache, or the smallest budget of all ranks), then made whole for a
+        batch-coupled job and explicit about FSDP2's resharding."""
+        chosen = []  # the agreement carries plan, reason and settle_within; the guide stays here
 
         def choose():
-            """(start plan, reason, settle_within); fills `sizes` with what is already known."""
-            if resume is not None:
-                plan, known = resume
-                known.settle_proven(plan)  # a resumed job starts settled: no upward probe
-                sizes.fits, sizes.fails = known.fits, known.fails
-                return (plan.with_micro_batch(plan.micro_batch_size, first_rows),
-                        "resumed: the plan and sizes of a state_dict", 0.0)
-            if tuned is not None:
-                sizes.settle(tuned.plan)  # for every length
-                return (tuned.plan.with_micro_batch(tuned.plan.micro_batch_size, first_rows),
-                        f"tuned: chosen of {len(tuned.space)} plan(s) measured "
-                        f"({tuned.samples_per_second:.1f} samples/s, median of rounds)", 0.0)
-            recalled = memo.recall(sizes, not_applicable=lambda plan: not_applicable(plan, model, opt, device))
-            if recalled is not None:
-                return recalled[0], f"cached: worked for this job on {device.describe()}", 0.0
-            if self.capacity_check and self.user_ladder is None:
-                longest = longest_batch(data, given) if data is not None else given
-                batch = first if longest is given else self.layout.rows_first(longest)
-                # The guide's probe is one rank's estimate: under torch.distributed the ranks'
-                # agreement steers the search instead.
-                guide = None if self.distributed else \
-                    make_guide(device, memo.calibration(budget_caps(device)), model)
-                estimated = estimated_start(model, lockstep.local(batch), opt, self.loss_fn,
-                                            lockstep.estimate_view(device), precision, sizes,
-                                            coupling=self.coupling, guide=guide)
-                if estimated is not None:
-                    self.guide = guide
-                    start, reason = estimated
-                    return start.with_micro_batch(start.micro_batch_size, first_rows), reason, SETTLE_WITHIN
-            return (Plan.for_batch(first_rows, precision=precisions.start_precision(precision)),
-                    "start: the whole global batch at once", 0.0)
-        # Under torch.distributed rank 0 decides (its cache, or the smallest budget of all ranks).
-        start, reason, settle_within = lockstep.agree_start(choose, sizes)
-        if lockstep.sharded is not None and start.reshard_after_forward is None:
+            chosen.append(first_start(self, asked))
+            return chosen[-1].plan, chosen[-1].reason, chosen[-1].settle_within
+        plan, reason, settle_within = self.lockstep.agree_start(choose, self.sizes)
+        # A guide is made by a single process only (ranks' agreements steer them instead).
+        self.guide = chosen[-1].guide if chosen else None
+        if self.lockstep.sharded is not None and plan.reshard_after_forward is None:
             # FSDP2's setting made explicit (the model's own), so the ladder can step from it
-            start = start.replace(reshard_after_forward=user_reshard_after_forward(model))
-        start, reason = self.coupling.start(start, reason, first_rows)
-        moves = self.coupling.ladder(sizes, precision, device.supports_bf16(), self.user_ladder)
-        if lockstep.sharded is not None and self.user_ladder is None:
+            plan = plan.replace(reshard_after_forward=user_reshard_after_forward(self.model))
+        plan, reason = self.coupling.start(plan, reason, asked.rows)
+        return Start(plan, reason, settle_within)
+
+    def _moves(self):
+        """The ladder: the coupling's (whole batch first where a split changes the mathematics),
+        FSDP2's own moves first for a sharded model."""
+        moves = self.coupling.ladder(self.sizes, self.precision, self.device.supports_bf16(), self.user_ladder)
+        if self.lockstep.sharded is not None and self.user_ladder is None:
             moves = sharded_ladder(moves)  # FSDP2's own moves first
+        return moves
+
+    def _runner(self, weighting) -> StepRunner:
+        """One process's step runner, or one rank's in lockstep with the others."""
         # ranks weigh by shares; a loss_fn told num_items_in_batch counts through its weighting
-        count_tokens = None if self.loss_fn is not None and weighting.pass_items else weighting.count
-        options = dict(scheduler=self.scheduler, loss_fn=self.loss_fn, count_tokens=count_tokens,
-                       max_grad_norm=self.max_grad_norm)
+        told_items = self.loss_fn is not None and weighting.pass_items
+        options = dict(update=Update(self.scheduler, self.max_grad_norm), loss_fn=self.loss_fn,
+                       count_tokens=None if told_items else weighting.count)
         if not self.distributed:
-            self.runner = StepRunner(model, opt, device, weighting=weighting, **options)
-        else:
-            sync = lockstep.sharded.sync if lockstep.sharded is not None else None  # FSDP's gradient sync
-            # A loss_fn that takes num_items_in_batch is told the global count (all ranks' shares).
-            told = weighting if self.loss_fn is not None and weighting.pass_items else None
-            self.runner = DistributedStepRunner(model, opt, device, lockstep=lockstep, sync=sync,
-                                                weighting=told, **options)
-        self.controller = Controller(self.runner, moves, start, sizes=sizes, reason=reason, guide=self.guide,
-                                     rules=self._rules(precision, device),
-                                     policy=Policy(quiet=not self.progress, settle_within=settle_within))
-        self.watch = LeakWatch(self.runner)  # batches handed over on the device; memory kept across steps
-        self.watch.check_batch(first, data)
-        self.coupling.guard()  # a recompute in backward leaves running statistics as they were
+            return StepRunner(self.model, self.optimizer, self.device, weighting=weighting, **options)
+        sharded = self.lockstep.sharded
+        # A loss_fn that takes num_items_in_batch is told the global count (all ranks' shares).
+        return DistributedStepRunner(self.model, self.optimizer, self.device, lockstep=self.lockstep,
+                                     sync=None if sharded is None else sharded.sync,  # FSDP's gradient sync
+                                     weighting=weighting if told_items else None, **options)
 
     def _rules(self, precision: str, device) -> Rules:
         """No split where allow_split=False forbids it, on any path; before giving up, every plan
@@ -264,15 +259,14 @@ class Training:
                         expect_like=expect_like, progress=progress, start_batch_size=start, pace=pace)
         return self.lockstep.combine_eval(done)  # under torch.distributed: the mean of every rank's share
 
-    def explain_refusal(self, error: DoesNotFit) -> None:
-        """Say in `error` (once) that splitting was forbidden, and what the user's code kept."""
-        if self.coupling.refusal() and not getattr(error, "refusal_said", False):
-            error.args = (f"{self.coupling.refusal()}\n{error.args[0]}",)
-            error.refusal_said = True
-        if self.watch is not None:
-            error.leaks = self.watch.findings  # explain(error) names what the user's code kept
+    def explained(self, error: DoesNotFit) -> DoesNotFit:
+        """`error` saying (once) that splitting was forbidden, and what the user's code kept (for
+        explain(error)): a new error, or `error` itself when there is nothing to add."""
+        leaks = self.watch.findings if self.watch is not None else error.leaks
+        return error.explained(self.coupling.refusal() or "", leaks)
 
     def __exit__(self, kind, error, traceback) -> bool:
+        replaced = None
         try:
             if error is None:
                 self.lockstep.finish()  # every rank got to the end, at the same step
@@ -281,14 +275,20 @@ class Training:
                                        self.samples, calibration=self.controller.guide.measured,
                                        calibrated=budget_caps(self.device))
             elif isinstance(error, DoesNotFit) and self.watch is not None:
-                self.explain_refusal(error)
+                explained = self.explained(error)
+                replaced = None if explained is error else explained
         except BaseException:
             self._close()
             if not self._stack.__exit__(*sys.exc_info()):
                 raise
             return False
         self._close()
-        return self._stack.__exit__(kind, error, traceback)
+        if replaced is None:
+            return self._stack.__exit__(kind, error, traceback)
+        # The explained copy of the DoesNotFit replaces it, raised where the original was.
+        if not self._stack.__exit__(DoesNotFit, replaced, traceback):
+            raise replaced.with_traceback(traceback) from None
+        return True
 
     def _close(self) -> None:
         """Hand the model and optimizer back as a plain loop would leave them."""

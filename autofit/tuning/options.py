@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from autofit.engine.interfaces import LossFn
+from autofit.plans import precision as precisions
 from autofit.tuning.study import import_optuna
 from autofit.tuning.verdict import ROUNDS
 
 RUN_OPTIONS = ("n_trials", "steps", "warmup", "rounds", "retune", "storage", "study_name", "clock")
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """How `autofit.tune` measures, and the job it measures for: checked when made, before any work.
+    The first eight fields are the options `run(..., tune=...)` takes (RUN_OPTIONS); `precision`,
+    `loss_fn` and `cache` are the job's own, as `autofit.run` is given them."""
+
+    n_trials: int | None = None   # at most this many trials in this call (None: every one not run yet)
+    steps: int = 3                # global batches timed per trial
+    warmup: int = 1               # untimed global batches before them
+    rounds: int = ROUNDS          # every plan measured once per round, the order rotated
+    retune: bool = False          # measure again even when the study holds a measurement
+    storage: object = None        # an optuna storage or database URL (None: the plan cache's file)
+    study_name: str | None = None  # None: named after the job's cache key
+    clock: Callable[[], float] = time.perf_counter  # the timer of the measured steps, in seconds
+    precision: str = precisions.AUTO
+    loss_fn: LossFn | None = None
+    cache: bool = True
+
+    def __post_init__(self):
+        check_options(**{name: getattr(self, name) for name in RUN_OPTIONS})
+        precisions.check_policy(self.precision)
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {self.loss_fn!r}.")
 
 
 def check_options(*, n_trials=None, steps=3, warmup=1, rounds=ROUNDS, retune=False, storage=None,

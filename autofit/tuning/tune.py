@@ -63,6 +63,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -75,7 +76,6 @@ from autofit.engine.inputs import build_optimizer, global_batches
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.plans.sizelog import SizeLog, config_of
 from autofit.cache.memo import Memo
-from autofit.plans import precision as precisions
 from autofit.estimator.start import longest_batch, tensor_budget
 from autofit.tuning.study import (
     TuneTrial,
@@ -86,7 +86,7 @@ from autofit.tuning.study import (
     run_queue,
     stored_space,
 )
-from autofit.tuning.options import check_options, no_budget_message, run_options
+from autofit.tuning.options import TuneOptions, check_options, no_budget_message, run_options
 from autofit.tuning.throughput import Pristine, measure, search_space
 from autofit.tuning.verdict import MIN_GAIN, ROUNDS, PlanStats, TuneResult, plan_stats, verdict
 
@@ -116,11 +116,9 @@ def tune(model: torch.nn.Module, data: Data, *, budget: Size | None = None, n_tr
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module but got {type(model).__name__}.")
-    check_options(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
-                  storage=storage, study_name=study_name, clock=clock)
-    precisions.check_policy(precision)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable (model, batch) -> scalar loss but got {loss_fn!r}.")
+    options = TuneOptions(n_trials=n_trials, steps=steps, warmup=warmup, rounds=rounds, retune=retune,
+                          storage=storage, study_name=study_name, clock=clock, precision=precision,
+                          loss_fn=loss_fn, cache=cache)
     if isinstance(data, Iterator):
         raise ValueError(f"data is a one-shot iterator ({type(data).__name__}): tune reads its first "
                          f"batches and a run after it would miss them; pass a list of batches, a "
@@ -131,54 +129,58 @@ def tune(model: torch.nn.Module, data: Data, *, budget: Size | None = None, n_tr
     with kept_rng():
         first, epoch_batches = global_batches(data, batch_size, 1)
         rows_of(first)  # raises on a batch that cannot be split
-        batches = take_batches(epoch_batches(), warmup + steps)
+        trained = TrialBatches(first, take_batches(epoch_batches(), options.warmup + options.steps),
+                               longest_batch(data, first))
         with open_device(budget) as device:
             placed = _Placement(model, device)
             opt, _ = build_optimizer(optimizer, model)
             try:
-                return tune_on(device, model, opt, first=first, batches=batches,
-                               longest=longest_batch(data, first), precision=precision, loss_fn=loss_fn,
-                               n_trials=n_trials, warmup=warmup, rounds=rounds, retune=retune,
-                               storage=storage, study_name=study_name, cache=cache, clock=clock)
+                return tune_on(device, model, opt, trained, options)
             finally:
                 placed.undo(opt)
 
 
-def tune_on(device, model, optimizer, *, first, batches, longest=None, precision=precisions.AUTO, loss_fn=None,
-            n_trials=None, warmup=1, rounds=ROUNDS, retune=False, storage=None, study_name=None,
-            cache=True, clock=time.perf_counter) -> TuneResult:
-    """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`):
-    every trial trains `batches` (host global batches), the first `warmup` of them untimed."""
+@dataclass(frozen=True)
+class TrialBatches:
+    """What the trials train and the search space is estimated on."""
+
+    first: object    # the first global batch: the job's cache key and the study's name
+    batches: list    # host global batches every trial trains, the first `warmup` of them untimed
+    longest: object  # the longest global batch, which the capacity check estimates
+
+
+def tune_on(device, model, optimizer, trained: TrialBatches, options: TuneOptions) -> TuneResult:
+    """`tune` on an open device, the model placed and the optimizer built (for `autofit.run`)."""
     optuna = import_optuna()
     if tensor_budget(device) is None:
         raise ValueError(no_budget_message(device.budget, device))
-    if not 0 <= warmup < len(batches):
-        raise ValueError(f"warmup={warmup!r} leaves none of the {len(batches)} batch(es) to time.")
-    global_batch = rows_of(first)
-    memo = Memo(model=model, batch=first, optimizer=optimizer, global_batch=global_batch,
-                precision=precision, device=device, enabled=True)  # its key names the study
+    if not 0 <= options.warmup < len(trained.batches):
+        raise ValueError(f"warmup={options.warmup!r} leaves none of the {len(trained.batches)} batch(es) "
+                         f"to time.")
+    global_batch = rows_of(trained.first)
+    memo = Memo(model=model, batch=trained.first, optimizer=optimizer, global_batch=global_batch,
+                precision=options.precision, device=device, enabled=True)  # its key names the study
 
     def plan_cache_url():
-        if not cache:
+        if not options.cache:
             return None
         memo.cache.ensure()  # our table and marks first; optuna adds its tables beside them
         return f"sqlite:///{memo.cache.path.absolute()}"
 
-    store, where = open_storage(optuna, storage, plan_cache_url)
+    store, where = open_storage(optuna, options.storage, plan_cache_url)
     try:
         pristine = Pristine(model, optimizer, device)
         try:
-            study = optuna.create_study(study_name=study_name or STUDY_PREFIX + memo.key, storage=store,
+            study = optuna.create_study(study_name=options.study_name or STUDY_PREFIX + memo.key, storage=store,
                                         direction="maximize", load_if_exists=True,
                                         sampler=optuna.samplers.RandomSampler(seed=0))
             default, space = stored_space(study, global_batch, lambda: search_space(
-                model, first if longest is None else longest, optimizer, loss_fn, device, precision,
+                model, trained.longest, optimizer, options.loss_fn, device, options.precision,
                 global_batch))
             plans = {p.describe(): p for p in space}
-            objective = _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock,
-                                   pristine)
-            measured, measurement = run_queue(optuna, study, plans, n_trials, objective, rounds=rounds,
-                                              retune=retune)
+            objective = _objective(optuna, model, optimizer, device, trained.batches, options, pristine)
+            measured, measurement = run_queue(optuna, study, plans, options.n_trials, objective,
+                                              rounds=options.rounds, retune=options.retune)
         finally:
             pristine.finish()
             # optuna keeps each pruned trial's exception, whose traceback holds the objective's
@@ -188,30 +190,27 @@ def tune_on(device, model, optimizer, *, first, batches, longest=None, precision
         trials = finished(optuna, study, plans, measurement)
         result = verdict(trials, default, space, measured, study.study_name, where, memo.key)
         result.measurement = measurement
-        if cache:
+        if options.cache:
             _remember(memo, result, trials, global_batch)
     finally:
-        close_storage(store, storage)
+        close_storage(store, options.storage)
     log.info("tune: %s", result.describe())
     return result
 
 
 # -- for autofit.run(..., tune=...) -----------------------------------------------------------------
 
-def tune_for_run(options: dict, *, device, model, optimizer, data, first, epoch_batches, precision,
-                 loss_fn, cache) -> TuneResult:
+def tune_for_run(options: TuneOptions, *, device, model, optimizer, data, first, epoch_batches) -> TuneResult:
     """What `autofit.run` calls inside its device block, before it chooses the start plan. A
     one-shot iterator is not read further: its first batch is timed again and again."""
-    options = dict(options)
-    steps, warmup = options.pop("steps", 3), options.pop("warmup", 1)  # the rest go to tune_on
+    count = options.warmup + options.steps
     with kept_rng():
         if isinstance(data, Iterator):
-            batches = [first] * (warmup + steps)
+            batches = [first] * count
         else:
-            batches = take_batches(epoch_batches(), warmup + steps)
-        return tune_on(device, model, optimizer, first=first, batches=batches,
-                       longest=longest_batch(data, first), precision=precision, loss_fn=loss_fn,
-                       warmup=warmup, cache=cache, **options)
+            batches = take_batches(epoch_batches(), count)
+        return tune_on(device, model, optimizer, TrialBatches(first, batches, longest_batch(data, first)),
+                       options)
 
 
 # -- the pieces -------------------------------------------------------------------------------------
@@ -261,13 +260,13 @@ class _Placement:
                 optimizer.load_state_dict(optimizer.state_dict())
 
 
-def _objective(optuna, model, optimizer, device, batches, warmup, loss_fn, clock, pristine):
+def _objective(optuna, model, optimizer, device, batches, options: TuneOptions, pristine):
     """objective(plan, trial) -> samples per second; raises optuna.TrialPruned when the plan ran out
     of memory. The model and optimizer are restored after every trial, whatever happened."""
     def objective(plan, trial):
         try:
-            m = measure(model, optimizer, device, plan, batches, warmup=warmup, loss_fn=loss_fn,
-                        clock=clock)
+            m = measure(model, optimizer, device, plan, batches, warmup=options.warmup,
+                        loss_fn=options.loss_fn, clock=options.clock)
         except Exception as error:
             # A move the plain plan does not make (bf16 without a kernel): that plan is dropped,
             # the others are measured. The plain plan's own error is the job's: it propagates.
@@ -313,5 +312,5 @@ def _remember(memo: Memo, result: TuneResult, trials, global_batch: int) -> None
     result.cached = memo.cache.get(memo.key) is not None
 
 
-__all__ = ["PlanStats", "TuneResult", "TuneTrial", "check_options", "kept_rng", "plan_stats", "run_options",
-           "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]
+__all__ = ["PlanStats", "TrialBatches", "TuneOptions", "TuneResult", "TuneTrial", "check_options", "kept_rng",
+           "plan_stats", "run_options", "search_space", "take_batches", "tune", "tune_for_run", "tune_on"]
