@@ -121,7 +121,7 @@ class Memo:
         # The sizes proven for each row length are taken as settled: no upward probe at those
         # lengths, so a rerun on the same data makes no OOM attempt.
         known.settle_proven(plan)
-        sizes.fits, sizes.fails = known.fits, known.fails
+        sizes.adopt(known)
         return plan, entry
 
     def remember(self, plan: Plan, sizes: SizeLog, attempts, samples: int,

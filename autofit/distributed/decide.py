@@ -84,7 +84,7 @@ class Deciding:
                 raise
             decided = json.loads(bytes(data.tolist()).decode())
         agreed = SizeLog.from_json(decided["sizes"])
-        sizes.fits, sizes.fails = agreed.fits, agreed.fails
+        sizes.adopt(agreed)
         return Plan.from_dict(decided["plan"]), decided["reason"], decided["settle"]
 
     def _smallest(self) -> int:

@@ -146,6 +146,15 @@ class Controller:
             runner.before_backward = start.reached  # leaves outside the model keep their gradients
 
     # -- public --------------------------------------------------------------------------------
+    def resume(self, plan: Plan, reason: str) -> None:
+        """Go on from `plan` (a stepper's state_dict loaded mid-run), saying why."""
+        self.plan, self.reason = plan, reason
+
+    def close(self) -> None:
+        """The run is over: let go of the runner, the start state and the attempter, which hold the
+        model's optimizer (the caller decides how long that lives)."""
+        self.runner = self.start = self.attempter = None
+
     def train(self, batch, step: int, shape: tuple | None = None) -> float:
         """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits. `shape`:
         the (rows, elements per row) the plan covers when not the batch's own (under

@@ -122,6 +122,11 @@ class SizeLog:
         longest = max(fits)
         return (EVERY if longest == math.inf else longest), fits[longest]
 
+    def adopt(self, known: "SizeLog") -> None:
+        """What `known` recorded (a cache entry, a state_dict, rank 0's agreement) in place of this
+        log's, keeping the row length being trained."""
+        self.fits, self.fails = known.fits, known.fails
+
     def settle_proven(self, plan: Plan) -> None:
         """Settle every size proven for `plan`'s configuration at the length it was proven at."""
         for length, size in list(self.fits.get(config_of(plan), {}).items()):

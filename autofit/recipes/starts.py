@@ -42,7 +42,7 @@ def resumed(job, asked: FirstBatch) -> Start | None:
         return None
     plan, known = asked.resume
     known.settle_proven(plan)
-    job.sizes.fits, job.sizes.fails = known.fits, known.fails
+    job.sizes.adopt(known)
     return Start(plan.with_micro_batch(plan.micro_batch_size, asked.rows),
                  "resumed: the plan and sizes of a state_dict")
 

@@ -127,10 +127,10 @@ class Step:
         if training.controller is None:
             self._resume = (plan, sizes)
             return
-        training.sizes.fits, training.sizes.fails = sizes.fits, sizes.fails
+        training.sizes.adopt(sizes)
         controller = training.controller
-        controller.plan, controller.reason = training.coupling.start(
-            plan, "resumed: the plan and sizes of a state_dict", controller.plan.global_batch)
+        controller.resume(*training.coupling.start(plan, "resumed: the plan and sizes of a state_dict",
+                                                   controller.plan.global_batch))
 
 
 @contextlib.contextmanager

@@ -313,8 +313,7 @@ class Training:
         # else), and the scheduler holds nothing but the optimizer.
         self.runner = self.watch = None
         if self.controller is not None:
-            self.controller.runner = None
-            self.controller.start = None  # it holds the optimizer: the caller decides how long it lives
+            self.controller.close()
         if self.guide is not None:
             self.guide.estimator = None  # its fake copies of the model and optimizer
         # Collected only while the device holds more outside the model and optimizer than before
