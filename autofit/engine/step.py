@@ -159,6 +159,7 @@ class StepRunner:
         """Forget a failed attempt: gradients, kept outputs and scaler bookkeeping go back to before it."""
         self.optimizer.zero_grad(set_to_none=True)
         self.kept = []
+        self.checkpointing.release()
         if self.scaler is not None and self._scaler_state is not None:
             scaler = torch.amp.GradScaler(self.device.type)
             scaler.load_state_dict(self._scaler_state)
