@@ -10,6 +10,15 @@ copied back in place if the step runs out of memory. A step known to fit runs wi
 a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
 `PartialUpdateError` instead of being retried on top of itself.
 
+What a failed step wrote is judged by value against its snapshot. Write counters cannot judge it:
+the foreach kernels torch's optimizers use by default have no ADInplaceOrView kernel, so their
+in-place writes move no `_version` on CUDA's fused path nor under any dispatch mode (a simulated
+GPU, a profiler's); only the CPU's per-tensor fallback moves them. A step without a snapshot is
+judged by where it failed, which the caller watches (`watch=True`: its step pre-hook sets
+`began` as the optimizer's own update starts, after every other pre-hook): an OOM before that, in a
+step pre-hook or the grad scaler's unscaling, wrote no parameter and no state, and is an OOM like
+any other. One after it may have written anything, and stops the run.
+
 A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
 rolled back as well, and the error propagates as raised. A step without a snapshot holds Ctrl-C
 until it ends (`interrupts.SigintHold`), then raises it: parameters and state both after the update. An offloaded step (offload.py) is always
@@ -80,6 +89,11 @@ class Snapshot:
         self.state.restore()
 
 
+def _optimizer_name(optimizer) -> str:
+    name = type(optimizer).__name__
+    return name + (" (foreach off)" if any(g.get("foreach") is False for g in optimizer.param_groups) else "")
+
+
 class AtomicStep:
     """Runs `step_fn` (which calls optimizer.step) so that an OOM leaves no partial update."""
 
@@ -91,12 +105,22 @@ class AtomicStep:
         self.failed_at = None  # bytes allocated when the last step ran out of memory
         self._spare = None     # the last state-only snapshot's copies, reused by the next one
         self.untouched = False  # the last step ran out of memory before it wrote anything
+        # Whether the optimizer's own update had started (set by the caller's step pre-hook);
+        # None: the caller does not watch.
+        self.began: bool | None = None
         self.sigint = interrupts.SigintHold()  # installed at the first unguarded step, until close()
         weakref.finalize(self, self.sigint.uninstall)  # an AtomicStep dropped without close()
 
     def close(self) -> None:
         """The SIGINT handler from before the first step back (the run is over)."""
         self.sigint.uninstall()
+
+    def _applied(self) -> str:
+        """What the failed unguarded step may have applied, as far as it can be told."""
+        if self.began:
+            return (f"{_optimizer_name(self.optimizer)}'s own update had started, so any of its "
+                    f"parameters and state may hold it in part")
+        return "its update may have been applied in part"
 
     def at_risk(self, key) -> bool:
         if self.device.fault_armed:
@@ -107,9 +131,12 @@ class AtomicStep:
         need = self.need.get(key)
         return need is None or free < need * HEADROOM + HEADROOM_BYTES
 
-    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True) -> None:
+    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True,
+                 watch: bool = False) -> None:
         """`params=False`: the snapshot leaves the parameters out (an offloaded step, guarded at
-        every step: its host copies are kept and written again by the next one)."""
+        every step: its host copies are kept and written again by the next one). `watch`: the
+        caller sets `began` when the optimizer's own update starts (see the module docstring)."""
+        self.began = False if watch else None
         guard = self.at_risk(key) if guard is None else guard
         spare, self._spare = self._spare, None
         snapshot = Snapshot(self.optimizer, self.device, params, spare if not params else None) \
@@ -141,8 +168,9 @@ class AtomicStep:
                 raise
             failure = summarize(error)
             self.failed_at = self.device.memory_allocated()
-            # Judged by what was written (by value, against the snapshot), not by where it failed.
-            self.untouched = snapshot is not None and snapshot.unchanged()
+            # Judged by what was written (by value, against the snapshot); without one, by whether
+            # the optimizer's own update had started.
+            self.untouched = snapshot.unchanged() if snapshot is not None else self.began is False
         step_peak = self.device.max_memory_allocated()
         if failure is None:
             self.need[key] = max(step_peak - before, 0)
@@ -159,8 +187,8 @@ class AtomicStep:
         if snapshot is None:
             raise PartialUpdateError(
                 f"the optimizer step ran out of memory part-way ({failure}) although the last step "
-                f"of this plan fitted with room to spare; its update cannot be undone, so the run "
-                f"stops here instead of applying it twice. Lower the budget or set "
+                f"of this plan fitted with room to spare; {self._applied()}, and it cannot be undone, "
+                f"so the run stops here instead of applying it twice. Lower the budget or set "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation.")
         snapshot.restore()
         del snapshot

@@ -239,6 +239,9 @@ class StepRunner:
             return any(p.grad is not None and not optimizer.state.get(p) for p in params)
 
         def starting(*_):
+            # The last pre-hook, right before the optimizer's own update: nothing written yet.
+            if self.atomic.began is not None:  # (the atomic step watches: one process)
+                self.atomic.began = True
             if missing():
                 self.phase = "optimizer.state"
 
@@ -287,7 +290,7 @@ class StepRunner:
             # An offloaded step is always guarded: its snapshot is host state only, and an
             # interrupt anywhere in it must leave no half-applied update.
             self.atomic(step, key=key, guard=True if offload is not None else guard,
-                        params=offload is None)
+                        params=offload is None, watch=wrap is None)
         finally:
             self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
         if offload is not None:
