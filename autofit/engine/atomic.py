@@ -14,8 +14,8 @@ What a failed step wrote is judged by value against its snapshot. Write counters
 the foreach kernels torch's optimizers use by default have no ADInplaceOrView kernel, so their
 in-place writes move no `_version` on CUDA's fused path nor under any dispatch mode (a simulated
 GPU, a profiler's); only the CPU's per-tensor fallback moves them. A step without a snapshot is
-judged by where it failed, which the caller watches (`watch=True`: its step pre-hook sets
-`began` as the optimizer's own update starts, after every other pre-hook): an OOM before that, in a
+judged by where it failed, which the caller watches (it sets `began` False before the step and its
+step pre-hook sets it True as the optimizer's own update starts, after every other pre-hook): an OOM before that, in a
 step pre-hook or the grad scaler's unscaling, wrote no parameter and no state, and is an OOM like
 any other. One after it may have written anything, and stops the run.
 
@@ -105,8 +105,8 @@ class AtomicStep:
         self.failed_at = None  # bytes allocated when the last step ran out of memory
         self._spare = None     # the last state-only snapshot's copies, reused by the next one
         self.untouched = False  # the last step ran out of memory before it wrote anything
-        # Whether the optimizer's own update had started (set by the caller's step pre-hook);
-        # None: the caller does not watch.
+        # Whether the optimizer's own update had started: a caller that watches sets False before
+        # each step and its step pre-hook True (see the module docstring); None: nobody watches.
         self.began: bool | None = None
         self.sigint = interrupts.SigintHold()  # installed at the first unguarded step, until close()
         weakref.finalize(self, self.sigint.uninstall)  # an AtomicStep dropped without close()
@@ -131,12 +131,9 @@ class AtomicStep:
         need = self.need.get(key)
         return need is None or free < need * HEADROOM + HEADROOM_BYTES
 
-    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True,
-                 watch: bool = False) -> None:
+    def __call__(self, step_fn, key=None, guard: bool | None = None, params: bool = True) -> None:
         """`params=False`: the snapshot leaves the parameters out (an offloaded step, guarded at
-        every step: its host copies are kept and written again by the next one). `watch`: the
-        caller sets `began` when the optimizer's own update starts (see the module docstring)."""
-        self.began = False if watch else None
+        every step: its host copies are kept and written again by the next one)."""
         guard = self.at_risk(key) if guard is None else guard
         spare, self._spare = self._spare, None
         snapshot = Snapshot(self.optimizer, self.device, params, spare if not params else None) \

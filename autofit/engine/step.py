@@ -289,8 +289,11 @@ class StepRunner:
         try:
             # An offloaded step is always guarded: its snapshot is host state only, and an
             # interrupt anywhere in it must leave no half-applied update.
+            # Watched on one process (engine/atomic: where an unguarded step failed); ranks agree
+            # on their steps' outcome instead.
+            self.atomic.began = False if wrap is None else None
             self.atomic(step, key=key, guard=True if offload is not None else guard,
-                        params=offload is None, watch=wrap is None)
+                        params=offload is None)
         finally:
             self.peak = max(self.atomic.outer_peak, self.device.max_memory_allocated())
         if offload is not None:

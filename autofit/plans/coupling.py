@@ -4,7 +4,12 @@ BatchNorm of every kind (`_BatchNorm` subclasses: BatchNorm1d/2d/3d, their Lazy 
 SyncBatchNorm) normalises with the statistics of the rows it is given, so a micro-batch computes
 another function than the whole batch, and its running statistics move once per micro-batch.
 Users declare their own such modules with an attribute, `module.batch_coupled = True` (and
-`False` takes a BatchNorm out, e.g. one kept in eval mode).
+`False` takes a BatchNorm out, e.g. one kept in eval mode). Any other layer that couples rows is
+found by measuring the whole training forward on two rows (engine/reduction.couples_in_training),
+which can judge only a forward that draws nothing at random; a per-layer measured criterion was
+weighed and not taken: comparing a layer's output on fewer rows is blurred by dropout, and buffers
+written in forward flag counters and spectral norm's vectors while missing a BatchNorm without
+running statistics. So the class stays the criterion for BatchNorm, whatever the model draws.
 
 For a model that has them a run says so once (naming the modules), records them on the result,
 walks a ladder that keeps the batch whole first (mixed precision as the policy allows,
