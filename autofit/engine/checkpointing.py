@@ -270,6 +270,8 @@ class Checkpointing:
         return self.hf or self.blocks is not None
 
     def set(self, on: bool) -> None:
+        """Checkpointing on or off for the coming attempt (set before each one)."""
+        self.calls.clear()  # a graph an earlier attempt left alive keeps its calls' arguments
         if on == self.on:
             return
         if on and not self.available:
