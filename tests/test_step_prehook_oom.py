@@ -162,8 +162,9 @@ def test_an_unguarded_step_that_fails_inside_the_update_stops_naming_what_may_be
 
 def test_foreach_writes_move_no_version_under_a_dispatch_mode():
     """Why a step is never judged by write counters: torch's foreach kernels have no
-    ADInplaceOrView kernel, so under any dispatch mode (and on CUDA's fused path) their in-place
-    writes leave `_version` where it was; a per-tensor write moves it."""
+    ADInplaceOrView kernel, so under any dispatch mode (and, by the same table, on CUDA's
+    multi-tensor kernels) their in-place writes leave `_version` where it was; a per-tensor write
+    moves it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passing(TorchDispatchMode):

@@ -12,12 +12,14 @@ a steady run pays nothing. A fast-path step that fails anyway cannot be undone; 
 
 What a failed step wrote is judged by value against its snapshot. Write counters cannot judge it:
 the foreach kernels torch's optimizers use by default have no ADInplaceOrView kernel, so their
-in-place writes move no `_version` on CUDA's fused path nor under any dispatch mode (a simulated
-GPU, a profiler's); only the CPU's per-tensor fallback moves them. A step without a snapshot is
-judged by where it failed, which the caller watches (it sets `began` False before the step and its
-step pre-hook sets it True as the optimizer's own update starts, after every other pre-hook): an OOM before that, in a
-step pre-hook or the grad scaler's unscaling, wrote no parameter and no state, and is an OOM like
-any other. One after it may have written anything, and stops the run.
+in-place writes move `_version` only through the CPU's per-tensor fallback: not under a dispatch
+mode (a simulated GPU, a profiler's), and by the same dispatch table not on CUDA's multi-tensor
+kernels. A step without a snapshot is judged by where it failed, which the caller watches (it sets
+`began` False before the step and its step pre-hook sets it True as the optimizer's own update
+starts, after every other pre-hook): an OOM before that, in a step pre-hook or the grad scaler's
+unscaling, came before the optimizer wrote any parameter or state, and is an OOM like any other (a
+pre-hook that itself writes parameters and then runs out of memory is not told apart: its writes
+would be made again by the replay). One after it may have written anything, and stops the run.
 
 A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
 rolled back as well, and the error propagates as raised. A step without a snapshot holds Ctrl-C
