@@ -8,7 +8,8 @@ the counts differ, and differ whether the loss shifts labels or not, the probe's
 every label of row 0 counts (0), only the first and the last of row 1 (T and 2 tokens unshifted,
 T - 1 and 1 shifted). The probe runs as `token_loss`'s others do (eval mode, no_grad, host memory,
 RNG forked), and whatever the loss's forward (and the hooks a `loss_fn` reaches through the model's
-`__call__`) writes on the model is put back.
+`__call__`) writes on the model is put back. The same three losses in training mode tell whether
+the training forward couples the rows (`couples_in_training`).
 """
 
 from __future__ import annotations
