@@ -38,9 +38,11 @@ class SigintHold:
         One installed since by someone else is kept as the handler to hand SIGINT to."""
         if threading.current_thread() is not threading.main_thread():
             return
-        if self._installed and signal.getsignal(signal.SIGINT) is self._bound:
+        current = signal.getsignal(signal.SIGINT)
+        if current is self._bound:  # still in place (or put back by another hold's uninstall)
+            self._installed = True
             return
-        self._previous = signal.getsignal(signal.SIGINT)
+        self._previous = _beneath(current)
         self._installed = True  # before: a Ctrl-C right after the install finds it set
         self.installs += 1
         signal.signal(signal.SIGINT, self._bound)
@@ -61,7 +63,7 @@ class SigintHold:
     def __enter__(self) -> "SigintHold":
         self.holding, self.caught = False, False
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
+            self._previous = _beneath(signal.getsignal(signal.SIGINT))
             self._installed = True  # before: a Ctrl-C right after the install finds it set
             signal.signal(signal.SIGINT, self._bound)
         return self
@@ -93,6 +95,19 @@ class SigintHold:
             self.caught = False
             self._uninstall()  # the interrupt ends the run: the handler before is in place for it
             _call(self._previous, signal.SIGINT, None)
+
+
+def _beneath(handler):
+    """The handler beneath any holds' handlers: the one the user (or Python) installed. Two runs
+    whose steps alternate (a GAN's two steppers) each install over the other's handler; a hold
+    that kept the other's as its previous would pass a Ctrl-C round the two for ever."""
+    seen = set()
+    while isinstance(getattr(handler, "__self__", None), SigintHold):
+        if id(handler.__self__) in seen:  # (a cycle left by an older autofit: Python's default)
+            return signal.default_int_handler
+        seen.add(id(handler.__self__))
+        handler = handler.__self__._previous
+    return handler
 
 
 def _call(handler, signum, frame) -> None:
