@@ -111,3 +111,11 @@ def test_a_training_forward_that_draws_at_random_is_not_judged(caplog):
     result = run(Net(Centre, dropout=0.1), caplog)
     assert result.batch_coupled == []
     assert not [r for r in caplog.records if "couples the rows" in r.getMessage()]
+
+
+def test_a_layer_declared_not_coupled_is_trusted(caplog):
+    model = Net(Centre)
+    model.norm.batch_coupled = False
+    result = run(model, caplog)
+    assert result.batch_coupled == []
+    assert not [r for r in caplog.records if "couples the rows" in r.getMessage()]

@@ -38,7 +38,7 @@ from autofit import torch_internals as ti
 from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
 from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction, couples_in_training
-from autofit.plans.coupling import coupled_modules
+from autofit.plans.coupling import declared
 from autofit.engine.reduction import output_loss as _loss
 
 log = logging.getLogger("autofit")
@@ -308,7 +308,7 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None,
         said = weighting.why if found.kind in (ROWS, SUM) else f"a mean over {weighting.why}"
         log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
                  whose, said, found.measured)
-        if not coupled_modules(unwrap(model)):  # (those known already are said by plans/coupling)
+        if not declared(unwrap(model)):  # (layers known or declared are plans/coupling's)
             measured = couples_in_training(model, batch, loss_fn, device, _probing, found.kind)
             if measured is not None:  # weighted as found, but the training forward couples rows
                 return replace(weighting, coupled=f"{whose} in training mode ({measured})")

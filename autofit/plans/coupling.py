@@ -57,6 +57,14 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return found
 
 
+def declared(model: torch.nn.Module) -> bool:
+    """Whether the model says which of its layers couple rows: one is known by class or declares
+    `batch_coupled` (True or False). Nothing is measured then (engine/reduction.couples_in_training):
+    a layer declared False is trusted, whatever a measurement would say."""
+    return any(getattr(m, ATTRIBUTE, None) is not None or isinstance(m, ti.batch_norm_base())
+               for m in model.modules())
+
+
 def whole_first_ladder(sizes, precision: str = precisions.AUTO, bf16_supported: bool = True,
                        allow_split: bool = True) -> Move:
     """Every whole-batch plan first (plans/reach.py: mixed precision as the policy allows,
