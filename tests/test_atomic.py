@@ -435,3 +435,27 @@ def test_state_in_containers_and_in_a_wrapped_optimizer_is_rolled_back(make, par
     assert all(len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))
                for a, b in zip(got[0], want[0]))
     assert got[1] == want[1]
+
+
+def test_two_runs_whose_steps_alternate_hand_ctrl_c_to_the_handler_from_before_once():
+    """A GAN's two steppers install their handlers in turn, each over the other's; a Ctrl-C
+    between steps reaches the handler from before the runs once (it used to go round the two
+    holds until the recursion limit), and each run's end leaves that handler in place."""
+    from autofit.engine.interrupts import SigintHold
+    before = signal.getsignal(signal.SIGINT)
+    calls = []
+
+    def users(signum, frame):
+        calls.append(signum)
+    signal.signal(signal.SIGINT, users)
+    try:
+        d, g = SigintHold(), SigintHold()
+        for hold in (d, g, d, g):  # each step installs its run's handler, over the other's
+            hold.install()
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # a Ctrl-C between steps
+        assert calls == [signal.SIGINT]
+        d.uninstall()
+        g.uninstall()
+        assert signal.getsignal(signal.SIGINT) is users
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -10,6 +10,17 @@ copied back in place if the step runs out of memory. A step known to fit runs wi
 a steady run pays nothing. A fast-path step that fails anyway cannot be undone; it is reported as
 `PartialUpdateError` instead of being retried on top of itself.
 
+What a failed step wrote is judged by value against its snapshot. Write counters cannot judge it:
+the foreach kernels torch's optimizers use by default have no ADInplaceOrView kernel, so their
+in-place writes move `_version` only through the CPU's per-tensor fallback: not under a dispatch
+mode (a simulated GPU, a profiler's), and by the same dispatch table not on CUDA's multi-tensor
+kernels. A step without a snapshot is judged by where it failed, which the caller watches (it sets
+`began` False before the step and its step pre-hook sets it True as the optimizer's own update
+starts, after every other pre-hook): an OOM before that, in a step pre-hook or the grad scaler's
+unscaling, came before the optimizer wrote any parameter or state, and is an OOM like any other (a
+pre-hook that itself writes parameters and then runs out of memory is not told apart: its writes
+would be made again by the replay). One after it may have written anything, and stops the run.
+
 A guarded step that fails with anything else (a KeyboardInterrupt, an error in a step hook) is
 rolled back as well, and the error propagates as raised. A step without a snapshot holds Ctrl-C
 until it ends (`interrupts.SigintHold`), then raises it: parameters and state both after the update. An offloaded step (offload.py) is always
@@ -80,6 +91,11 @@ class Snapshot:
         self.state.restore()
 
 
+def _optimizer_name(optimizer) -> str:
+    name = type(optimizer).__name__
+    return name + (" (foreach off)" if any(g.get("foreach") is False for g in optimizer.param_groups) else "")
+
+
 class AtomicStep:
     """Runs `step_fn` (which calls optimizer.step) so that an OOM leaves no partial update."""
 
@@ -91,12 +107,22 @@ class AtomicStep:
         self.failed_at = None  # bytes allocated when the last step ran out of memory
         self._spare = None     # the last state-only snapshot's copies, reused by the next one
         self.untouched = False  # the last step ran out of memory before it wrote anything
+        # Whether the optimizer's own update had started: a caller that watches sets False before
+        # each step and its step pre-hook True (see the module docstring); None: nobody watches.
+        self.began: bool | None = None
         self.sigint = interrupts.SigintHold()  # installed at the first unguarded step, until close()
         weakref.finalize(self, self.sigint.uninstall)  # an AtomicStep dropped without close()
 
     def close(self) -> None:
         """The SIGINT handler from before the first step back (the run is over)."""
         self.sigint.uninstall()
+
+    def _applied(self) -> str:
+        """What the failed unguarded step may have applied, as far as it can be told."""
+        if self.began:
+            return (f"{_optimizer_name(self.optimizer)}'s own update had started, so any of its "
+                    f"parameters and state may hold it in part")
+        return "its update may have been applied in part"
 
     def at_risk(self, key) -> bool:
         if self.device.fault_armed:
@@ -141,8 +167,9 @@ class AtomicStep:
                 raise
             failure = summarize(error)
             self.failed_at = self.device.memory_allocated()
-            # Judged by what was written (by value, against the snapshot), not by where it failed.
-            self.untouched = snapshot is not None and snapshot.unchanged()
+            # Judged by what was written (by value, against the snapshot); without one, by whether
+            # the optimizer's own update had started.
+            self.untouched = snapshot.unchanged() if snapshot is not None else self.began is False
         step_peak = self.device.max_memory_allocated()
         if failure is None:
             self.need[key] = max(step_peak - before, 0)
@@ -159,8 +186,8 @@ class AtomicStep:
         if snapshot is None:
             raise PartialUpdateError(
                 f"the optimizer step ran out of memory part-way ({failure}) although the last step "
-                f"of this plan fitted with room to spare; its update cannot be undone, so the run "
-                f"stops here instead of applying it twice. Lower the budget or set "
+                f"of this plan fitted with room to spare; {self._applied()}, and it cannot be undone, "
+                f"so the run stops here instead of applying it twice. Lower the budget or set "
                 f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation.")
         snapshot.restore()
         del snapshot

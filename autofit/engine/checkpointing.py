@@ -17,17 +17,28 @@ them back when the backward ends. The block's modules' public number attributes 
 schedule's step) are set to what the forward found for the recompute and put back after it, so
 `self.calls += 1` moves once per forward. Other side effects (a forward hook that counts calls, a
 mutable container) happen twice under any checkpointing, as in a plain loop that checkpoints.
+
+A failed attempt must leave nothing held. A block autofit wraps keeps its arguments with the call
+(`_Call`), not in torch's checkpoint frame, and they are dropped after a failed attempt: an object a
+block writes its activations into (a key/value cache, a list of hidden states) would otherwise hold
+the attempt's graph in a cycle through autograd's C++ nodes that no collection frees. Transformers'
+switch sets flags on the model and its layers; those are the plan's, so a replay's restore of the
+start state leaves them (`model_state.switch_writes`): half put back, GPT-2's model would pass its
+cache to layers that checkpoint it. autofit still calls a model as the plain loop does (no
+`use_cache=False` of its own): with the switch whole, transformers' models drop the cache under
+checkpointing themselves, and without checkpointing no frame holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autofit.engine.model_state import module_generators
+from autofit.engine.model_state import module_generators, switch_writes
 from autofit.engine.replay import python_rng_state, set_python_rng_state
 from autofit.integrations import transformers_internals as hf_internals
 from autofit.plans.coupling import coupled_modules
@@ -189,16 +200,53 @@ def _set_rng(generators, state) -> None:
     set_python_rng_state(python)
 
 
-def _checkpointed(forward, block):
+def _checkpointed(forward, block, calls):
+    """`forward` run by torch's checkpoint. Only its positional tensors are given to torch (which
+    reads their devices for the random state); every other argument stays with the call (`calls`
+    holds this attempt's calls weakly), so a failed attempt's arguments can be dropped (`release`)."""
     @functools.wraps(forward)
     def run(*args, **kw):
         if not torch.is_grad_enabled():
             return forward(*args, **kw)
-        call = _Recompute(block)
-        return checkpoint(forward, *args, **kw, **_KWARGS,
+        call = _Call(forward, block, args, kw)
+        calls.add(call)
+        return checkpoint(call.run, *call.tensors(), **_KWARGS,
                           context_fn=lambda: (call.forward_context(), call.recompute_context()))
     run.__autofit_checkpoint__ = True
     return run
+
+
+class _Call(_Recompute):
+    """One checkpointed call: the block's arguments, held here rather than by torch's checkpoint.
+
+    A block may be given an object it writes its activations into (a key/value cache, a list of
+    hidden states for a deep-supervision loss). Torch's checkpoint keeps a block's arguments for
+    the recompute, in a frame that only the saved-tensor hooks of the attempt's graph reach; the
+    object's tensors hold that graph (their `grad_fn`). That is a cycle through autograd's C++
+    nodes, which Python's garbage collector cannot see: after a failed attempt (whose backward never
+    ran to free the graph) it would hold the attempt's activations for good. Dropping the arguments
+    kept here breaks it, with no private name of torch."""
+
+    def __init__(self, forward, block, args, kw):
+        super().__init__(block)
+        self.forward = forward
+        self.places = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.inputs = (list(args), kw)
+
+    def tensors(self) -> list:
+        args = self.inputs[0]
+        return [args[i] for i in self.places]
+
+    def run(self, *tensors):
+        args, kw = self.inputs
+        args = list(args)
+        for i, t in zip(self.places, tensors):
+            args[i] = t
+        return self.forward(*args, **kw)
+
+    def release(self) -> None:
+        """Drop what the call holds of a failed attempt: its arguments and the buffers' copies."""
+        self.inputs, self.found = None, []
 
 
 class Checkpointing:
@@ -215,12 +263,15 @@ class Checkpointing:
         self.blocks = None if self.hf else largest_block_list(model)
         self.on = self.initial
         self._own_forward = {}
+        self.calls = weakref.WeakSet()  # the checkpointed calls alive (engine/checkpointing._Call)
 
     @property
     def available(self) -> bool:
         return self.hf or self.blocks is not None
 
     def set(self, on: bool) -> None:
+        """Checkpointing on or off for the coming attempt (set before each one)."""
+        self.calls.clear()  # a graph an earlier attempt left alive keeps its calls' arguments
         if on == self.on:
             return
         if on and not self.available:
@@ -231,7 +282,8 @@ class Checkpointing:
             # disable leaves them unless PEFT is loaded: remove the ones autofit's switch made.
             # (where the hooks cannot be read they stay as transformers' switch leaves them)
             before = {id(h) for h in hf_internals.require_grads_hooks(self._hf_model)}
-            hf_switch_checkpointing(self._hf_model, on)
+            with switch_writes(self._hf_model):  # its flags are the plan's: a replay keeps them
+                hf_switch_checkpointing(self._hf_model, on)
             if self._hooks_readable and on:
                 self._own_hooks = [h for h in hf_internals.require_grads_hooks(self._hf_model)
                                    if id(h) not in before]
@@ -242,7 +294,7 @@ class Checkpointing:
                 if on:
                     # Remember a forward set on the instance (hooks, user wrappers) to put back.
                     self._own_forward[block] = vars(block).get("forward")
-                    block.forward = _checkpointed(block.forward, block)
+                    block.forward = _checkpointed(block.forward, block, self.calls)
                 elif getattr(block.forward, "__autofit_checkpoint__", False):
                     previous = self._own_forward.pop(block, None)
                     if previous is None:
@@ -261,6 +313,12 @@ class Checkpointing:
 
     def restore(self) -> None:
         self.set(self.initial)
+
+    def release(self) -> None:
+        """After a failed attempt: the arguments its checkpointed calls kept go (see `_Call`)."""
+        for call in list(self.calls):
+            call.release()
+        self.calls.clear()
 
 
 def step_hook(runner, plan) -> None:

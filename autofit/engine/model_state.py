@@ -24,10 +24,12 @@ that the loss reached (a discriminator's parameters). A piece per kind of state:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
 import operator
+import weakref
 
 import torch
 
@@ -207,6 +209,25 @@ def immutable(value) -> bool:
 
 TENSOR, CONTENTS, GENERATOR = "tensor", "contents", "generator"  # what Attributes copies of a value
 
+# Public attributes a plan's switch set (transformers' `gradient_checkpointing` flag on each module
+# its switch turns): the plan's state, not a step's. A restore leaves them as the switch last set
+# them; put back to a capture taken before the switch, they would half undo it (the model's flag
+# off, its layers' on) while the switch believes it is still on.
+_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> set of names
+
+
+@contextlib.contextmanager
+def switch_writes(model: torch.nn.Module):
+    """Around a plan's switch on `model`: the public attributes it rebinds or adds on the model's
+    modules are the switch's from then on (`Attributes.restore` leaves them)."""
+    before = [(module, dict(vars(module))) for module in model.modules()]
+    yield
+    for module, was in before:
+        names = {name for name, value in vars(module).items()
+                 if not name.startswith("_") and (name not in was or was[name] is not value)}
+        if names:
+            _SWITCHED.setdefault(module, set()).update(names)
+
 
 class Attributes:
     """What a forward keeps in its modules' own attributes besides parameters and buffers: a
@@ -282,10 +303,10 @@ class Attributes:
     def restore(self) -> None:
         copied = {(id(m), name) for m, name, *_rest in self.contents}
         for module, before in self.saved:
-            now = vars(module)
+            now, switched = vars(module), _SWITCHED.get(module, ())
             for name, value in before.items():
-                if name.startswith("_") or (self._kind(value) is None and not _plain(value)):
-                    continue  # torch's bookkeeping, a config: not a step's state
+                if name.startswith("_") or (self._kind(value) is None and not _plain(value)) or name in switched:
+                    continue  # torch's bookkeeping, a config, a plan's switch: not a step's state
                 now[name] = value
                 if self._kind(value) is not None and (id(module), name) not in copied:
                     self._unseen(module, name)

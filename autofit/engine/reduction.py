@@ -8,7 +8,8 @@ the counts differ, and differ whether the loss shifts labels or not, the probe's
 every label of row 0 counts (0), only the first and the last of row 1 (T and 2 tokens unshifted,
 T - 1 and 1 shifted). The probe runs as `token_loss`'s others do (eval mode, no_grad, host memory,
 RNG forked), and whatever the loss's forward (and the hooks a `loss_fn` reaches through the model's
-`__call__`) writes on the model is put back.
+`__call__`) writes on the model is put back. The same three losses in training mode tell whether
+the training forward couples the rows (`couples_in_training`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -68,17 +71,26 @@ def _counts(batch) -> dict:
     return {kind: (int(k[0].sum()), int(k[1].sum())) for kind, k in counts.items()}
 
 
+def _predicted(a: float, b: float, rows) -> dict:
+    """{reduction: the loss of both rows it predicts from the loss of each}."""
+    predicted = {ROWS: (a + b) / 2, SUM: a + b}
+    for kind, (na, nb) in _counts(rows[2]).items():
+        if na + nb:
+            predicted[kind] = (na * a + nb * b) / (na + nb)
+    return predicted
+
+
+def _matches(value: float, a: float, b: float, ab: float) -> bool:
+    return abs(value - ab) <= TOLERANCE * max(abs(a), abs(b), abs(ab), 1e-30)
+
+
 def classify(a: float, b: float, ab: float, rows) -> Reduction:
     """The reduction whose prediction of `ab` from `a` and `b` matches (see the module docstring)."""
     measured = f"loss of row 0 {a:.6g}, of row 1 {b:.6g}, of both {ab:.6g}"
     if not all(math.isfinite(x) for x in (a, b, ab)):
         return Reduction(None, measured, finite=False)
-    predicted = {ROWS: (a + b) / 2, SUM: a + b}
-    for kind, (na, nb) in _counts(rows[2]).items():
-        if na + nb:
-            predicted[kind] = (na * a + nb * b) / (na + nb)
-    scale = max(abs(a), abs(b), abs(ab), 1e-30)
-    matches = [kind for kind, value in predicted.items() if abs(value - ab) <= TOLERANCE * scale]
+    predicted = _predicted(a, b, rows)
+    matches = [kind for kind, value in predicted.items() if _matches(value, a, b, ab)]
     if len(matches) == 1:
         return Reduction(matches[0], measured)
     if not matches:  # the nearest known reduction, to say how far the loss is from it
@@ -155,6 +167,61 @@ def ask_reduction(model, batch, loss_fn, device, probing):
         log.info("cannot ask how the loss reduces over its batch (%s: %s); micro-batches are weighted as "
                  "before", type(error).__name__, error)
         return None
+
+
+# Draws of the training forward under different seeds: equal losses mean it draws nothing at random
+# (three, so that dropout's masks on two rows cannot all happen to agree).
+SEEDS = (1, 2, 3)
+
+
+def _seed(seed: int) -> None:
+    """Every global generator a forward may draw from, seeded alike (the probe's rows then draw the
+    same sequence, so a layer-drop decided by `random.random()` decides alike for each)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")  # (code that never imported it cannot draw from it)
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
+def couples_in_training(model, batch, loss_fn, device, probing, kind: str) -> str | None:
+    """Whether the training forward couples the rows of `batch` although the loss reduces as `kind`
+    (found in eval mode): the three losses in words when it does, else None.
+
+    Batch-coupled layers are known by class (BatchNorm) or declared; this measures the rest (a layer
+    of the user's that normalises with statistics over the batch) on two rows in training mode. It
+    can tell only where the training forward is deterministic: a loss of both rows that moves with
+    the seed (dropout, noise) says nothing about coupling, so such a model is not judged (None).
+    Comparing each layer's output on fewer rows, or watching which buffers a forward writes, would
+    not do: the first is blurred by the same randomness, the second flags counters and spectral
+    norm's vectors and misses a BatchNorm without running statistics."""
+    if rows_of(batch) < 2:
+        return None
+    try:
+        with probing(model, device, train=True) as inner, state_kept(inner):
+            rows = probe_rows(batch)
+            def loss_of(part, seed):
+                _seed(seed)
+                part = device.to_device(part)
+                if loss_fn is not None:
+                    loss = loss_and_kept(loss_fn(_Forward(inner), part))[0]
+                else:
+                    out = inner.forward(**part) if isinstance(part, Mapping) else \
+                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
+                    loss = out if isinstance(out, torch.Tensor) else output_loss(out)
+                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
+            both = [loss_of(rows[2], seed) for seed in SEEDS]
+            if len(set(both)) > 1:
+                return None
+            a, b, ab = loss_of(rows[0], SEEDS[0]), loss_of(rows[1], SEEDS[0]), both[0]
+            predicted = _predicted(a, b, rows).get(kind)
+    except Exception as error:  # noqa: BLE001 -- a probe never stops a run (BatchNorm1d refuses one row)
+        log.info("cannot ask whether the training forward couples rows (%s: %s)", type(error).__name__, error)
+        return None
+    if predicted is None or not all(math.isfinite(x) for x in (a, b, ab)) or _matches(predicted, a, b, ab):
+        return None
+    return (f"loss of row 0 {a:.6g}, of row 1 {b:.6g}, of both {ab:.6g}; "
+            f"{_WORDS.get(kind, 'a mean over label tokens')} would give {predicted:.6g}")
 
 
 def output_loss(out):

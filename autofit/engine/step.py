@@ -166,6 +166,7 @@ class StepRunner:
         """Forget a failed attempt: gradients, kept outputs and scaler bookkeeping go back to before it."""
         self.optimizer.zero_grad(set_to_none=True)
         self.kept = []
+        self.checkpointing.release()
         if self.scaler is not None and self._scaler_state is not None:
             scaler = torch.amp.GradScaler(self.device.type)
             scaler.load_state_dict(self._scaler_state)
@@ -245,6 +246,9 @@ class StepRunner:
             return any(p.grad is not None and not optimizer.state.get(p) for p in params)
 
         def starting(*_):
+            # The last pre-hook, right before the optimizer's own update: nothing written yet.
+            if self.atomic.began is not None:  # (the atomic step watches: one process)
+                self.atomic.began = True
             if missing():
                 self.phase = "optimizer.state"
 
@@ -292,6 +296,9 @@ class StepRunner:
         try:
             # An offloaded step is always guarded: its snapshot is host state only, and an
             # interrupt anywhere in it must leave no half-applied update.
+            # Watched on one process (engine/atomic: where an unguarded step failed); ranks agree
+            # on their steps' outcome instead.
+            self.atomic.began = False if wrap is None else None
             self.atomic(step, key=key, guard=True if offload is not None else guard,
                         params=offload is None)
         finally:

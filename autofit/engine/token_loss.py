@@ -29,7 +29,7 @@ import logging
 import math
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -37,7 +37,8 @@ import torch
 from autofit import torch_internals as ti
 from autofit.engine.batches import IGNORE_INDEX, rows_of, labels_of, slice_batch, weights
 from autofit.engine.reading import rng_untouched
-from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction
+from autofit.engine.reduction import ROWS, SHIFTED, SUM, ask_reduction, couples_in_training
+from autofit.plans.coupling import declared
 from autofit.engine.reduction import output_loss as _loss
 
 log = logging.getLogger("autofit")
@@ -239,19 +240,23 @@ def _moved(a: float, b: float) -> bool:
 
 
 @contextlib.contextmanager
-def _probing(model, device):
-    """The module itself (no DDP collective, no compilation for a probe) in eval mode, under no_grad,
-    in host memory, leaving the RNG and the train/eval mode as they were. Call its `forward`, not
-    `__call__`: hooks the user put on the model (step counters, fault injection) see training
-    forwards only (a sharded model's probe excepted: FSDP gathers in its hooks, see shifts_labels)."""
+def _probing(model, device, train: bool = False):
+    """The module itself (no DDP collective, no compilation for a probe) in eval mode (`train`: in
+    the modes the run trains it in, a module the user keeps in eval mode included), under no_grad,
+    in host memory, leaving the RNG and each module's train/eval mode as they were. Call its
+    `forward`, not `__call__`: hooks the user put on the model (step counters, fault injection) see
+    training forwards only (a sharded model's probe excepted: FSDP gathers in its hooks, see
+    shifts_labels)."""
     inner = unwrap(model)
-    was_training = inner.training
+    modes = [(m, m.training) for m in inner.modules()]
     try:
         with rng_untouched(inner), torch.no_grad(), device.host():
-            inner.eval()
+            if not train:
+                inner.eval()
             yield inner
     finally:
-        inner.train(was_training)
+        for module, mode in modes:
+            module.training = mode
 
 
 def _tensors(batch, rows: int) -> dict:
@@ -303,6 +308,10 @@ def loss_weighting(model, batch, loss_fn, device, probe: bool = True, call=None,
         said = weighting.why if found.kind in (ROWS, SUM) else f"a mean over {weighting.why}"
         log.info("%s is %s (asked with two rows: %s); micro-batches are weighted by it",
                  whose, said, found.measured)
+        if not declared(unwrap(model)):  # (layers known or declared are plans/coupling's)
+            measured = couples_in_training(model, batch, loss_fn, device, _probing, found.kind)
+            if measured is not None:  # weighted as found, but the training forward couples rows
+                return replace(weighting, coupled=f"{whose} in training mode ({measured})")
         return weighting
     if found is not None and found.finite and not found.ambiguous:
         # Not a weighted combination of its rows' losses: the rows are coupled (in-batch negatives,

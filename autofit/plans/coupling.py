@@ -4,7 +4,12 @@ BatchNorm of every kind (`_BatchNorm` subclasses: BatchNorm1d/2d/3d, their Lazy 
 SyncBatchNorm) normalises with the statistics of the rows it is given, so a micro-batch computes
 another function than the whole batch, and its running statistics move once per micro-batch.
 Users declare their own such modules with an attribute, `module.batch_coupled = True` (and
-`False` takes a BatchNorm out, e.g. one kept in eval mode).
+`False` takes a BatchNorm out, e.g. one kept in eval mode). Any other layer that couples rows is
+found by measuring the whole training forward on two rows (engine/reduction.couples_in_training),
+which can judge only a forward that draws nothing at random; a per-layer measured criterion was
+weighed and not taken: comparing a layer's output on fewer rows is blurred by dropout, and buffers
+written in forward flag counters and spectral norm's vectors while missing a BatchNorm without
+running statistics. So the class stays the criterion for BatchNorm, whatever the model draws.
 
 For a model that has them a run says so once (naming the modules), records them on the result,
 walks a ladder that keeps the batch whole first (mixed precision as the policy allows,
@@ -50,6 +55,14 @@ def coupled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
         if declared:
             found.append((name or type(module).__name__, module))
     return found
+
+
+def declared(model: torch.nn.Module) -> bool:
+    """Whether the model says which of its layers couple rows: one is known by class or declares
+    `batch_coupled` (True or False). Nothing is measured then (engine/reduction.couples_in_training):
+    a layer declared False is trusted, whatever a measurement would say."""
+    return any(getattr(m, ATTRIBUTE, None) is not None or isinstance(m, ti.batch_norm_base())
+               for m in model.modules())
 
 
 def whole_first_ladder(sizes, precision: str = precisions.AUTO, bf16_supported: bool = True,
