@@ -40,7 +40,7 @@ def assigned(cls) -> set:
 
 def test_the_protocols_name_what_the_engine_reads():
     assert members(interfaces.Runner) == [
-        "abandon", "atomic", "attempt_peak", "before_backward", "close", "device", "distributed", "grad_norm",
+        "abandon", "atomic", "attempt_peak", "close", "device", "distributed", "grad_norm",
         "kept", "model", "not_applicable", "optimizer", "phase", "phase_steers_ladder", "run"]
     assert members(interfaces.Guide) == ["failed", "largest", "measured", "observe"]
 

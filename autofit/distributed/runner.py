@@ -92,7 +92,7 @@ class DistributedStepRunner(StepRunner):
         lock = self.lockstep
         return {ITEMS: int(lock.global_count if lock.per_rank else self.weighting.count(lock.global_batch))}
 
-    def run(self, batch, plan) -> float:
+    def run(self, batch, plan, before_backward=None) -> float:
         lock = self.lockstep
         failure, value, mask, at_risk = None, 0.0, None, False
         lock.attempt_plan, lock.attempt_agreed = plan, False
@@ -101,7 +101,7 @@ class DistributedStepRunner(StepRunner):
         try:
             if sharded is not None:
                 sharded.arm(True)  # each of FSDP's collectives waits for an agreement first
-            value = self._accumulate(batch, plan).item()
+            value = self._accumulate(batch, plan, before_backward).item()
             if self.padding and self.kept:
                 del self.kept[-self.padding:]  # what the padding's repeated row kept is not the batch's
             mask = lock.replicas.fill_missing_grads()

@@ -123,9 +123,6 @@ class StepRunner:
         # every attempt; read by the controller after an OOM (never parsed from the error's text).
         self.phase = ""
         self.foreach_off = ForeachOff(optimizer)  # the per-parameter step's switch
-        # before_backward(loss): called with each micro-batch's loss before its backward (the
-        # controller's start state keeps the entry gradients of the leaves it reaches).
-        self.before_backward = None
         self.kept: list = []  # the last attempt's kept outputs per micro-batch (engine/kept.py)
 
     # -- plan switches -------------------------------------------------------------------------
@@ -173,9 +170,11 @@ class StepRunner:
             self.scaler = scaler
 
     # -- one global batch ----------------------------------------------------------------------
-    def run(self, batch, plan: Plan) -> float:
-        """Train on one global batch under `plan`; returns its loss (the weighted mean)."""
-        total = self._accumulate(batch, plan)
+    def run(self, batch, plan: Plan, before_backward=None) -> float:
+        """Train on one global batch under `plan`; returns its loss (the weighted mean).
+        `before_backward(loss)`: called with each micro-batch's loss before its backward (the
+        controller's start state keeps the entry gradients of the leaves it reaches)."""
+        total = self._accumulate(batch, plan, before_backward)
         self._step(plan)
         return total.item()
 
@@ -192,7 +191,7 @@ class StepRunner:
         """The keyword every micro-batch's loss gets: {} or {"num_items_in_batch": n}."""
         return self.weighting.items(batch) if self.weighting is not None else {}
 
-    def _accumulate(self, batch, plan) -> torch.Tensor:
+    def _accumulate(self, batch, plan, before_backward=None) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the weighted loss (on the device)."""
         self.phase = "copy-in"  # a new attempt: nothing of the last one's phase is left
         self.prepare(plan)
@@ -222,8 +221,8 @@ class StepRunner:
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 self.phase = "backward"
-                if self.before_backward is not None:  # every micro-batch: each may reach other leaves
-                    self.before_backward(scaled)
+                if before_backward is not None:  # every micro-batch: each may reach other leaves
+                    before_backward(scaled)
                 scaled.backward()
             term = loss.detach().float() * share
             total = term if total is None else total + term
