@@ -250,6 +250,22 @@ class LeakWatch:
     def _scan(self, step: int, batch, growth) -> list[dict]:
         """Search the heap; report what is kept. `growth`: (bytes grown, steps) when growing."""
         training = self._training_keys(batch)
+        tensors, nodes, fresh = self._suspects(training, growth)
+        groups = self._held_by(tensors, nodes)
+        del tensors, nodes
+        reports, explained = self._reports(groups, fresh, growth, training)
+        del groups
+        if growth is not None and not explained:
+            reports.append(self._report(
+                "memory-growth", ("memory-growth",),
+                f"device memory left after each step grew {growth[1]} steps in a row under the same "
+                f"plan (+{format_size(growth[0])}, now {format_size(self._last or 0)} beyond "
+                f"parameters, gradients and optimizer state)", growth[0], FIX_GROWTH))
+        return [r for r in reports if r is not None]
+
+    def _suspects(self, training: set, growth) -> tuple[list, list, set | None]:
+        """(tensors and autograd nodes alive outside the training step's own, the keys of tensors
+        new since the last snapshot: None when memory is not growing)."""
         tensors, nodes = self._live_objects()
         tensors = [t for t in tensors if _key(t) not in training]
         snapshot = self._snapshot if growth is not None else None
@@ -265,17 +281,25 @@ class LeakWatch:
                 continue
         nodes = [n for n in nodes if id(n) not in inner][:MAX_NODES]
         nodes = [n for n in nodes if graph_bytes([n], self.on_device, training)]
+        return tensors, nodes, fresh
+
+    def _held_by(self, tensors: list, nodes: list) -> dict[tuple, list]:
+        """{(root, outer, optimizer): [(object, holder)]}: the objects Python holds, by who holds
+        them (the lists given, and this module's frames, are not holders)."""
         objects = tensors + nodes
         holders = locate(objects, {id(tensors), id(nodes), id(objects)}, self.runner.optimizer,
-                                 skip_files={__file__}) \
-            if objects else []
+                         skip_files={__file__}) if objects else []
         groups: dict[tuple, list] = {}
         for obj, holder in zip(objects, holders):
             if holder.root is None and holder.container is None:
                 continue  # held from C++ only (a graph's saved tensor): the graph's owner is reported
             key = (holder.root, "" if holder.optimizer else holder.outer, holder.optimizer)
             groups.setdefault(key, []).append((obj, holder))
-        del objects, holders
+        return groups
+
+    def _reports(self, groups: dict, fresh: set | None, growth, training: set) -> tuple[list, bool]:
+        """(a report per holder whose objects are a leak, new or grown; whether one explains the
+        growth)."""
         reports, explained = [], False
         for (root, outer, optimizer), members in groups.items():
             ts = [o for o, _ in members if isinstance(o, torch.Tensor)]
@@ -304,14 +328,7 @@ class LeakWatch:
                             f"the same plan (+{format_size(growth[0])})")
             reports.append(self._report(kind, key, culprit, nbytes, fix_for(kind, ts)))
             explained |= grows
-        del tensors, nodes, groups
-        if growth is not None and not explained:
-            reports.append(self._report(
-                "memory-growth", ("memory-growth",),
-                f"device memory left after each step grew {growth[1]} steps in a row under the same "
-                f"plan (+{format_size(growth[0])}, now {format_size(self._last or 0)} beyond "
-                f"parameters, gradients and optimizer state)", growth[0], FIX_GROWTH))
-        return [r for r in reports if r is not None]
+        return reports, explained
 
     def _report(self, kind: str, key: tuple, culprit: str, nbytes: int, fix: str) -> dict | None:
         finding = {"kind": kind, "culprit": culprit, "bytes": int(nbytes), "fix": fix}
