@@ -310,6 +310,7 @@ class _Evaluator:
         self.samples += rows
 
 
+# Public API (docs/run.md): the keywords users pass; inside, they are one frozen EvalOptions.
 def evaluate(model: torch.nn.Module, data: Data, *, loss_fn: LossFn | None = None, batch_size: int | None = None,
              budget: Size | None = None, metric_fn: MetricFn | None = None, device: Device | None = None,
              start_batch_size: int | None = None, sizer: EvalSizer | None = None,

@@ -95,6 +95,8 @@ log = logging.getLogger("autofit")
 STUDY_PREFIX = "autofit-"
 
 
+# Public API (docs/tune.md): the keywords users pass, one per option as autofit.run takes them;
+# inside, they are one frozen TuneOptions from the first line on.
 def tune(model: torch.nn.Module, data: Data, *, budget: Size | None = None, n_trials: int | None = None,
          steps: int = 3, warmup: int = 1, rounds: int = ROUNDS, retune: bool = False,
          batch_size: int | None = None, loss_fn: LossFn | None = None, optimizer: OptimizerArg = None,
