@@ -90,6 +90,7 @@ from autofit.estimator.fakes import (
 )
 from autofit.gpu.allocator import round_size, segment_size
 from autofit.gpu.recorded import RecordingAllocator, replay_capped
+from autofit.estimator.replayed import Walk, first_then
 from autofit.gpu.memory import KINDS, storage_bytes
 from autofit.sizes import format_breakdown
 from autofit.gpu.workspaces import Workspaces
@@ -178,6 +179,10 @@ class _Meter(SimulatedGPU):
     def tracked(self) -> None:
         """What was there before the step (parameters, state) is counted; the rest is allocated."""
 
+    def laid(self) -> int:
+        """How many allocator calls are recorded so far (0 without a record)."""
+        return len(self.allocator.events) if isinstance(self.allocator, RecordingAllocator) else 0
+
     def finish(self) -> None:
         """The step's figures have been read: records stop here."""
         if isinstance(self.allocator, RecordingAllocator):
@@ -193,6 +198,8 @@ class _Meter(SimulatedGPU):
         self.outer_breakdown = dict(self.totals)
 
     def step_begins(self, *_) -> None:
+        if isinstance(self.allocator, RecordingAllocator):
+            self.allocator.mark_step()
         self.carried = None  # the step's own total has replaced it
         self.kind, self.in_step = "other", True  # the update's temporaries
         self.step_top = max(self.step_top or 0, self._allocated)
@@ -507,7 +514,7 @@ class Estimator:
             try:
                 # A fake tensor cached by the model's memoized code would outlive the walk.
                 with self._quiet(), emptied_after(self._memoized()):
-                    estimate = self._derived(plan) if after is None else None
+                    estimate = self._derived(plan) if after is None else self._replayed(plan, after)
                     if estimate is None:
                         estimate = self._measure(plan, after)
             except Exception as error:
@@ -579,6 +586,33 @@ class Estimator:
         repeated = getattr(self, "_repeated", False)
         return repeated.measure(plan) if repeated else None
 
+    def _replayed(self, plan: Plan, after: Plan) -> MemoryEstimate | None:
+        """`plan`'s step after a step of `after`, from one walk of each plan's whole step (kept for
+        the estimator's life: the guide asks of the same plans again) laid out as a run makes them
+        (autofit.estimator.replayed); None where they cannot be (then both steps are walked). The
+        reserved peak is the two-step walk's; the allocated figures are those of `plan`'s step with
+        its state resident, which a step after the first has."""
+        then, first = self._walk(plan), self._walk(after)
+        events = None if then is None or first is None else first_then(first, then)
+        if events is None:
+            return None
+        extra = SCALER_BYTES if precisions.get(plan.precision).needs_scaler else 0
+        estimate = dataclasses.replace(then.estimate, reserved_bytes=replay_capped(events, None)[0] + extra)
+        self._record((plan, after), estimate, lambda limit: replay_capped(events, limit), extra)
+        return estimate
+
+    def _walk(self, plan: Plan) -> Walk | None:
+        """The walk of `plan`'s whole global step with its state laid out first (made once), or
+        None where the meter keeps no record of its allocator's calls."""
+        if getattr(self, "_walks", None) is None:
+            self._walks = {}
+        if plan not in self._walks:
+            estimate = self._measure(plan, whole=True)
+            meter = self.last_meter
+            self._walks[plan] = Walk(estimate, meter.allocator.events, *meter.laid_out) \
+                if isinstance(meter.allocator, RecordingAllocator) else None
+        return self._walks[plan]
+
     def _new_meter(self) -> "_Meter":
         return _Meter(whole_blocks=self._own() is not None)
 
@@ -623,7 +657,9 @@ class Estimator:
         runner.atomic = _Unguarded(self.optimizer, device)
         return runner
 
-    def _measure(self, plan: Plan, after: Plan | None = None) -> MemoryEstimate:
+    def _measure(self, plan: Plan, after: Plan | None = None, whole: bool = False) -> MemoryEstimate:
+        """The walk of `plan`'s step (`measure`'s); `whole`: of every micro-batch of the global
+        batch, where a walk without `after` runs one micro-batch on gradients made beforehand."""
         meter = self._new_meter()
         device = self._device(meter)
         numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
@@ -631,7 +667,7 @@ class Estimator:
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
-        batch, accumulates = self._measured(plan) if after is None else (self.batch, False)
+        batch, accumulates = self._measured(plan) if after is None and not whole else (self.batch, False)
         params = list(self.model.parameters()) + list(self.model.buffers())
         # Offload's own reading (not the registry's): the offloaded step keeps its state on the host.
         state = [] if plan.offload_optimizer else self._state()
@@ -645,11 +681,13 @@ class Estimator:
                     _step_hooks(self.optimizer, device, self._before_step, [meter.step_ends]):
                 with meter.as_kind("params"):
                     meter.track(params)
+                laid = meter.laid()
                 if after is None:
                     with meter.as_kind("optimizer"):
                         meter.track(state)
                 else:
                     self._first_step(meter, device, after, state)
+                meter.laid_out = (laid, meter.laid())
                 meter.tracked()
                 if accumulates:
                     with meter.as_kind("grads"), torch.no_grad():

@@ -176,7 +176,8 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
     plan, widened = chosen.plan, ""
     if guide is not None and estimator._sampled is None:  # never real steps in the middle of a run
         guide.attach(estimator, candidates, length)
-        plan = guide.start(chosen.plan, sizes.fail(chosen.plan, length), length)
+        with estimator.sharing_dispatch_cache():  # the sizes searched share the parameters' ops
+            plan = guide.start(chosen.plan, sizes.fail(chosen.plan, length), length)
         if plan != chosen.plan:  # where the budget caps reserved bytes: see Guide.start
             widened = (f"; micro-batch {plan.micro_batch_size}, the largest predicted to fit a run "
                        f"starting with it (reserved peak {format_size(guide.predicted(plan))})")
