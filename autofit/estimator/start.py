@@ -19,7 +19,8 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import choose, make_estimator, needs_message, no_offload, rank, unplaced, usable_bytes
+from autofit.estimator.capacity import (choose, leanest, make_estimator, needs_message, no_offload, rank, unplaced,
+                                        usable_bytes)
 from autofit.estimator.estimate import own_reserved
 from autofit.estimator.guide import Guide
 from autofit.gpu.workspaces import Workspaces
@@ -155,14 +156,15 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
         return None
     chosen = choose(candidates)
     if chosen is None:
-        leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None
+        # The plan the message names (an offloaded one where any was estimated), with its breakdown.
+        named = leanest([c for c in candidates if c.plan.offload_optimizer] or candidates, room["caps"])
         needs = needs_message(candidates, budget, calibration=calibration, no_offload=no_offload(estimator),
                               **room)
         raise DoesNotFit(
             f"no plan can fit global batch {rows_of(batch)} on {device.describe()}, checked before "
             f"training: {needs}",
-            breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
-            plan=leanest.plan if leanest else None)
+            breakdown=named.estimate.breakdown if named else None, budget=budget,
+            plan=named.plan if named else None)
     # Sizes predicted over the budget even uncalibrated bound the upward search (for rows as long
     # as the estimated batch's, the longest of a list, and shorter); those only a calibration above
     # 1 rules out stay open to the guide's probe, since the run measures its own calibration.
