@@ -54,6 +54,7 @@ def cmd_probe(args) -> int:
     from autofit.estimator.estimate import own_reserved
     from autofit.gpu.workspaces import Workspaces
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
+    attention = models.set_attention(model, args.attn)
     described = samples.describe(batch, model)
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
@@ -68,7 +69,7 @@ def cmd_probe(args) -> int:
     header = {"model": spec, "model_class": type(model).__name__,
               "parameters": quantized.parameter_count(model),
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
-              "optimizer": args.optimizer, "weights": args.weights,
+              "optimizer": args.optimizer, "weights": args.weights, "attention": attention,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
               "missing_kernels": models.missing_kernels(model),
               "precision": args.precision,
@@ -114,8 +115,7 @@ def cmd_probe(args) -> int:
                                            f"failed too): pass a larger --seq-len.")
         return _cannot_estimate(args, _no_plan(header, reason))
     chosen = capacity.choose(candidates)
-    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
-                                                  default=None)
+    shown = chosen if chosen is not None else capacity.leanest(candidates, "reserved")
     reason = None if chosen is not None else capacity.needs_message(
         candidates, budget, caps="reserved", reserve=kept)
     result = {**header, "fits": chosen is not None,
@@ -158,6 +158,7 @@ def _longer_rows(args, optimizer) -> int | None:
         try:
             with models.quiet_transformers():
                 model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=length)
+                models.set_attention(model, args.attn)
                 config = getattr(model, "config", None)
                 limit = getattr(config, "max_position_embeddings", None)
                 if isinstance(limit, int) and length > limit:
@@ -216,6 +217,7 @@ def _probe_report(args, result: dict, shown) -> int:
                       f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
                       f"parameters)"),
         ("global batch", result["batch"]["text"]),
+        *([("attention", result["attention"])] if result["attention"] else []),
         *_fallback(result),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
@@ -280,6 +282,7 @@ def _verify(args, budget: int, chosen) -> int:
     from autofit.errors import DoesNotFit
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                                device="cpu")
+    models.set_attention(model, args.attn)  # the attention the prediction priced
     with models.quiet_transformers():  # the fine-tune the prediction priced, on the real model
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)
