@@ -95,3 +95,22 @@ def test_a_step_whose_walk_has_no_record_is_walked_whole(monkeypatch):
     monkeypatch.setattr(Estimator, "_walk", lambda self, p: None)
     events, walk = walked(estimator, plan(5), plan(4))
     assert estimator.measure(plan(5), after=plan(4)).reserved_bytes == walk.reserved_bytes
+
+
+def test_a_plan_asked_again_is_answered_from_its_first_walk(monkeypatch):
+    from test_calibrate import LM_ROWS, gpt2, lm_batches  # MiB-sized blocks: a cap changes the replay
+    estimator = Estimator(gpt2(), lm_batches(1)[0], device_type="cpu")
+    walks = []
+    measure = Estimator._measure
+
+    def counted(self, p, after=None, whole=False):
+        walks.append((p.micro_batch_size, after, whole))
+        return measure(self, p, after, whole)
+    monkeypatch.setattr(Estimator, "_measure", counted)
+    sixteen, eight = Plan.for_batch(LM_ROWS, 16, precision="fp32"), Plan.for_batch(LM_ROWS, 8, precision="fp32")
+    first, other, again = (estimator.measure(p) for p in (sixteen, eight, sixteen))
+    assert walks == [(16, None, False), (8, None, False)]
+    assert again is first and other.peak_bytes != first.peak_bytes and estimator.estimates == 3
+    # Its record of allocations comes back with it: a cap replays this plan's step, not the last walked.
+    assert (first.reserved_bytes, estimator.capped(sixteen, 25 * 2**20).reserved_bytes) == (30 * 2**20, 28 * 2**20)
+    assert walks == [(16, None, False), (8, None, False)]
