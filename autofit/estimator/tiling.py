@@ -123,9 +123,11 @@ def canonical(events: list) -> list:
     return out
 
 
-def replay(events: list) -> tuple[int, dict, int | None, int]:
+def replay(events: list, whole_blocks: bool = False) -> tuple[int, dict, int | None, int]:
     """(allocated peak, breakdown at it, peak inside the optimizer step, reserved peak) of a trace,
-    counted as the estimator's meter counts (from its `start`) through the allocator model."""
+    counted as the estimator's meter counts (from its `start`) through the allocator model; with
+    `whole_blocks`, as a card's meter counts: a block the allocator hands out whole (c10 does not
+    split a large-pool block whose remainder is <= 1 MiB) counts whole (`SimulatedGPU._charge`)."""
     allocator = CachingAllocator()
     live: dict = {}
     totals = dict.fromkeys(KINDS, 0)
@@ -135,9 +137,11 @@ def replay(events: list) -> tuple[int, dict, int | None, int]:
         kind = e[0]
         if kind == "a":
             _, uid, size, of = e
-            live[uid] = [size, of, allocator.malloc(size, False) if size else None]
-            allocated += size
-            totals[of] += size
+            block = allocator.malloc(size, False) if size else None
+            charged = block.size if whole_blocks and block is not None else size
+            live[uid] = [charged, of, block]
+            allocated += charged
+            totals[of] += charged
             if allocated > top:
                 top, top_breakdown = allocated, dict(totals)
             if in_step and allocated > step_top:
@@ -240,7 +244,9 @@ class Repeated:
                     raise Untileable("the trace tiled to 4 blocks differs from the walk of 4")
                 self.checked[kind] = True
             tiled = tile(events, self.blocks)
-            peak, breakdown, step, reserved = replay(tiled)
+            # The cut walks count requests (their meter keeps no card's accounting), as the checks
+            # above compare; the model's estimate counts as the parent's meter would.
+            peak, breakdown, step, reserved = replay(tiled, whole_blocks=self.parent._own() is not None)
         except Exception as error:  # the cut copy cannot stand for the model: walk it whole
             self.checked[kind] = False
             self.why[kind] = f"{type(error).__name__}: {error}"
