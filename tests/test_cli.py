@@ -375,8 +375,15 @@ def test_probe_bert_base_on_2gib(capsys):
     assert got["plan"]["offload_optimizer"] is True
     assert got["breakdown"]["params"] >= 109483778 * 4
     assert got["breakdown"]["optimizer"] == 0
-    # AdamW's two moments, shaped as the gradients (fp32 under bf16 autocast too), on the host
-    assert got["host_optimizer_bytes"] == 2 * got["breakdown"]["grads"]
+    # AdamW's two moments, shaped as the gradients (fp32 under bf16 autocast too), on the host: two
+    # fp32 copies of every parameter, each rounded to 512 bytes as the allocator rounds a request.
+    from autofit.commands import models
+    rounded = sum(-(-p.numel() * 4 // 512) * 512 for p in models.load("bert-base")[0].parameters())
+    assert got["host_optimizer_bytes"] == 2 * rounded == 875871232
+    # The gradients on the device, counted as c10 counts them: a block handed out whole (a remainder
+    # of at most 1 MiB left unsplit) counts whole, so the layout at the peak may add to the requests
+    # (here 1.08 MiB at the peak of the chosen plan, micro 8 x 4 bf16 with offload).
+    assert rounded <= got["breakdown"]["grads"] < rounded + 2**21
     assert all(r["offload_optimizer"] for r in got["table"])
 
 
