@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from autofit.estimator.estimate import SCALER_BYTES, Estimator, MemoryEstimate
+from autofit.estimator.walk import SCALER_BYTES, MemoryEstimate, Walker
 from autofit.estimator.repeated import repeated_blocks
 from autofit.estimator.traced import Untileable, _CutEstimator
 from autofit.errors import AllocationFailed
@@ -197,14 +197,14 @@ def replay_capped(events: list, limit: int) -> tuple[int, bool]:
 class Repeated:
     """An estimator's repeated blocks: its cut copies and which kinds of plan passed the check."""
 
-    def __init__(self, parent: Estimator, path: str, blocks: int):
+    def __init__(self, parent: Walker, path: str, blocks: int):
         self.parent, self.path, self.blocks = parent, path, blocks
         self.cuts: dict = {}
         self.checked: dict = {}  # kind of plan -> whether the tiled trace matched the walk of 4
         self.why: dict = {}      # kind of plan -> why it is walked whole
 
     @classmethod
-    def of(cls, estimator: Estimator) -> "Repeated | None":
+    def of(cls, estimator: Walker) -> "Repeated | None":
         found = repeated_blocks(estimator.model)
         return cls(estimator, *found) if found is not None else None
 
