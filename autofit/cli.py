@@ -84,6 +84,9 @@ def _add_probe(commands, debug) -> None:
                        help="the LoRA rank with --trainable lora (default 16)")
     probe.add_argument("--weights", choices=finetune.WEIGHTS, default="fp32",
                        help="the dtype of the model's weights (default fp32)")
+    probe.add_argument("--attn", metavar="NAME", default=None,
+                       help="the attention implementation of a transformers model: eager, sdpa, or "
+                            "another transformers knows (default: the model's own)")
     probe.add_argument("--context-reserve", metavar="SIZE", default=None,
                        help="the CUDA context's memory to subtract (default: measured when CUDA is "
                             "present, else 0.4 GiB)")

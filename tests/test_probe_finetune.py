@@ -400,7 +400,7 @@ def test_plans_on_bf16_weights_say_they_run_in_bf16(capsys, monkeypatch):
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "fine-tune        the whole model, AdamW, bf16 weights (0.17M trained parameters)"
-    assert lines[8:15] == [
+    assert lines[9:16] == [
         "   micro  accum  precision                    checkpointing  offload  time  allocated peak  reserved peak  fits",
         "-  -----  -----  ---------------------------  -------------  -------  ----  --------------  -------------  ----",
         "       8      1  bf16 weights                 no             no       1.00     1000.00 MiB    1000.00 MiB  no",
@@ -534,8 +534,9 @@ def test_a_price_on_transformers_torch_fallback_says_so(capsys, tmp_path):
     spec = _saved(tmp_path / "mamba2", config)
     assert main(["probe", "--gpu-mem", "1GiB", "--model", spec, "--batch-size", "2", "--seq-len", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[3] == ("slow path        priced on transformers' torch fallback: causal_conv1d, mamba_ssm not "
-                        "installed (with its kernels a step holds less)")
+    assert lines[3:5] == ["attention        eager",  # transformers' own name for a model without attention
+                          "slow path        priced on transformers' torch fallback: causal_conv1d, mamba_ssm not "
+                          "installed (with its kernels a step holds less)"]
     assert main(["probe", "--gpu-mem", "1GiB", "--model", spec, "--batch-size", "2", "--seq-len", "32",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["missing_kernels"] == ["causal_conv1d", "mamba_ssm"]

@@ -178,3 +178,25 @@ def test_alike_allows_only_the_blocks_own_index_to_differ():
     shared = Block(8)
     assert not alike(torch.nn.ModuleList([shared] * 5))  # one module, its parameters shared
     assert repeated_blocks(Stack([16] * 4)) is None  # too few blocks for the cut to be cheaper
+
+
+def test_a_tiled_estimate_counts_blocks_handed_out_whole_as_the_walk_of_the_whole_model_does():
+    """With a card's workspaces the meter counts a block c10 hands out whole (a large-pool remainder
+    of at most 1 MiB left unsplit) as allocated; the tiled trace's replay counts it so too."""
+    from autofit.gpu.workspaces import Workspaces
+
+    def wide():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(
+            hidden_size=192, num_hidden_layers=LAYERS, num_attention_heads=2, intermediate_size=768,
+            vocab_size=VOCAB, max_position_embeddings=256, num_labels=3))
+    batch, hopper = bert_batch(rows=8, seq=256), Workspaces.of_capability((9, 0))
+    derived = Estimator(wide(), batch, device_type="cpu", workspaces=hopper)
+    whole = Estimator(wide(), batch, device_type="cpu", derive_repeated=False, workspaces=hopper)
+    requests = Estimator(wide(), batch, device_type="cpu", derive_repeated=False)  # no card's accounting
+    d, w, r = (e.measure(Plan(8)) for e in (derived, whole, requests))
+    assert derived._repeated.checked == {(Plan(1), False): True}  # 3 of the 6 layers walked, tiled
+    # 5.5 MiB of blocks handed out whole at the peak, beyond the requests and the workspaces:
+    assert w.peak_bytes - r.peak_bytes - hopper.resident == 5.5 * 2**20
+    assert (d.peak_bytes, d.breakdown, d.step_bytes, d.reserved_bytes) == \
+        (w.peak_bytes, w.breakdown, w.step_bytes, w.reserved_bytes)

@@ -256,6 +256,23 @@ def missing_kernels(model) -> list[str]:
     return sorted(p for p in wanted if importlib.util.find_spec(p.split(".")[0]) is None)
 
 
+def set_attention(model, name: str | None) -> str | None:
+    """Switch a transformers model's attention to `name` ("eager", "sdpa", ...: transformers'
+    `set_attn_implementation`, which checks it) when given; the implementation its layers then call,
+    or None where that is not known (a model of the user's own code)."""
+    from autofit.integrations.transformers_internals import attention_implementation
+    if name is not None:
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is None:
+            raise ModelSpecError(f"--attn {name}: {type(model).__name__} is not a transformers model, so its "
+                                 f"attention is priced as its own code runs it; drop --attn.")
+        try:
+            setter(name)
+        except (ValueError, ImportError) as e:  # unknown to transformers, or its kernel package missing
+            raise ModelSpecError(f"--attn {name}: {type(model).__name__} cannot use it: {_one_line(e)}") from e
+    return attention_implementation(model)
+
+
 # -- module:function ----------------------------------------------------------------------------------
 
 def _from_function(spec: str, batch_size, seq_len):

@@ -37,23 +37,14 @@ def _plan_row(candidate, chosen, weights: str) -> dict:
 
 
 def cmd_probe(args) -> int:
-    gpu_mem = size_arg("--gpu-mem", args.gpu_mem)
-    positive_arg("--batch-size", args.batch_size)
-    positive_arg("--seq-len", args.seq_len)
-    positive_arg("--lora-rank", args.lora_rank)
-    import torch
-    if args.verify and not torch.cuda.is_available():
-        raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
-                         "drop --verify to get the prediction alone.")
-    if args.verify and args.weights in finetune.QUANTIZED:
-        raise UsageError(f"--verify trains real steps, and --weights {args.weights} is priced without "
-                         f"bitsandbytes' kernels; drop --verify to get the prediction alone.")
+    gpu_mem = _checked_usage(args)
     reserve, reserve_source = context_reserve(args.context_reserve)
     optimizer = finetune.optimizer_factory(args.optimizer)  # a missing package is bad usage, before any work
     from autofit.commands import models, quantized, samples
     from autofit.estimator.estimate import own_reserved
     from autofit.gpu.workspaces import Workspaces
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len)
+    attention = models.set_attention(model, args.attn)
     described = samples.describe(batch, model)
     with models.quiet_transformers():
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
@@ -68,7 +59,7 @@ def cmd_probe(args) -> int:
     header = {"model": spec, "model_class": type(model).__name__,
               "parameters": quantized.parameter_count(model),
               "trainable": args.trainable, "trained_parameters": finetune.trained_parameters(model),
-              "optimizer": args.optimizer, "weights": args.weights,
+              "optimizer": args.optimizer, "weights": args.weights, "attention": attention,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "batch": described,
               "missing_kernels": models.missing_kernels(model),
               "precision": args.precision,
@@ -76,16 +67,9 @@ def cmd_probe(args) -> int:
               "context_reserve_source": reserve_source, "budget_bytes": max(budget, 0),
               "workspace_bytes": own, "workspace_reserve_bytes": kept,
               "usable_bytes": max(budget - kept, 0)}
-    if budget <= 0:
-        reason = (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
-                  f"({format_size(reserve)}); nothing is left for tensors.")
-        return _probe_report(args, _no_plan(header, reason), None)
-    if budget <= own + kept:
-        reason = (f"the card's {format_size(gpu_mem)} less the CUDA context reserve "
-                  f"({format_size(reserve)}) leaves {format_size(budget)}, not more than the "
-                  f"{format_size(own + kept)} of cuBLAS/cuDNN workspaces; nothing is left "
-                  f"for tensors.")
-        return _probe_report(args, _no_plan(header, reason), None)
+    no_room = _no_room(gpu_mem, reserve, budget, own + kept)
+    if no_room is not None:
+        return _probe_report(args, _no_plan(header, no_room), None)
 
     from autofit.estimator import capacity
     try:
@@ -95,45 +79,89 @@ def cmd_probe(args) -> int:
                                        reserve=kept, device_type="cuda",
                                        optimizer=optimizer, workspaces=workspaces)
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
-        if _caused_by(e, NoLossError) and models.is_function_spec(spec):
-            raise UsageError(
-                f"{type(model).__name__} computes no loss from the batch {spec} returned "
-                f"({models.describe(model, batch)}), so there is no training step to price: return a "
-                f"batch with the labels it takes, or a model whose forward returns its loss.") from None
-        if _caused_by(e, NoLossError):
-            raise UsageError(
-                f"{type(model).__name__} computes no loss from the probe's labels, so there is no training "
-                f"step to price: name a class with a task head that trains in the config's architectures "
-                f"(e.g. a *ForSequenceClassification, *ForCausalLM, *ForImageClassification), or give "
-                f"module:function returning a model whose forward returns its loss.") from None
-        reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
-                  f"({models.describe(model, batch)}) failed: {one_line(e)}")
-        longer = _longer_rows(args, optimizer) if described["row_length"] == "seq_len" else None
-        if longer is not None:  # a model may refuse rows too short for it (wav2vec2's convolutions)
-            reason = reason.rstrip(".") + (f". With --seq-len {longer} it is estimated ({longer // LONGER} "
-                                           f"failed too): pass a larger --seq-len.")
+        reason = _why_not_estimated(e, args, spec, model, batch, described, optimizer)
         return _cannot_estimate(args, _no_plan(header, reason))
+    result, shown = _result(header, candidates, budget, kept, args.weights)
+    code = _probe_report(args, result, shown)
+    if code == EXIT_OK and args.verify:
+        code = _verify(args, budget, capacity.choose(candidates))
+    return code
+
+
+def _checked_usage(args) -> int:
+    """The card's memory in bytes, once every option is checked (UsageError: bad usage, exit 2)."""
+    gpu_mem = size_arg("--gpu-mem", args.gpu_mem)
+    positive_arg("--batch-size", args.batch_size)
+    positive_arg("--seq-len", args.seq_len)
+    positive_arg("--lora-rank", args.lora_rank)
+    import torch
+    if args.verify and not torch.cuda.is_available():
+        raise UsageError("--verify trains real steps on a CUDA device and this machine has none; "
+                         "drop --verify to get the prediction alone.")
+    if args.verify and args.weights in finetune.QUANTIZED:
+        raise UsageError(f"--verify trains real steps, and --weights {args.weights} is priced without "
+                         f"bitsandbytes' kernels; drop --verify to get the prediction alone.")
+    return gpu_mem
+
+
+def _no_room(gpu_mem: int, reserve: int, budget: int, own: int) -> str | None:
+    """Why nothing is left for tensors (the context reserve, then the libraries' `own` bytes take
+    the card), or None."""
+    if budget <= 0:
+        return (f"the card's {format_size(gpu_mem)} is all taken by the CUDA context reserve "
+                f"({format_size(reserve)}); nothing is left for tensors.")
+    if budget <= own:
+        return (f"the card's {format_size(gpu_mem)} less the CUDA context reserve "
+                f"({format_size(reserve)}) leaves {format_size(budget)}, not more than the "
+                f"{format_size(own)} of cuBLAS/cuDNN workspaces; nothing is left "
+                f"for tensors.")
+    return None
+
+
+def _why_not_estimated(error, args, spec, model, batch, described, optimizer) -> str:
+    """The reason the probe gives when the model's step could not be estimated; UsageError where
+    the model computes no loss (nothing to price: bad usage)."""
+    from autofit.commands import models
+    if _caused_by(error, NoLossError) and models.is_function_spec(spec):
+        raise UsageError(
+            f"{type(model).__name__} computes no loss from the batch {spec} returned "
+            f"({models.describe(model, batch)}), so there is no training step to price: return a "
+            f"batch with the labels it takes, or a model whose forward returns its loss.") from None
+    if _caused_by(error, NoLossError):
+        raise UsageError(
+            f"{type(model).__name__} computes no loss from the probe's labels, so there is no training "
+            f"step to price: name a class with a task head that trains in the config's architectures "
+            f"(e.g. a *ForSequenceClassification, *ForCausalLM, *ForImageClassification), or give "
+            f"module:function returning a model whose forward returns its loss.") from None
+    reason = (f"cannot estimate this model: a training step of {spec} on its sample batch "
+              f"({models.describe(model, batch)}) failed: {one_line(error)}")
+    longer = _longer_rows(args, optimizer) if described["row_length"] == "seq_len" else None
+    if longer is not None:  # a model may refuse rows too short for it (wav2vec2's convolutions)
+        reason = reason.rstrip(".") + (f". With --seq-len {longer} it is estimated ({longer // LONGER} "
+                                       f"failed too): pass a larger --seq-len.")
+    return reason
+
+
+def _result(header: dict, candidates, budget: int, kept: int, weights: str) -> tuple[dict, object]:
+    """(the probe's result, the candidate it shows: the chosen plan, else the leanest estimated)."""
+    from autofit.estimator import capacity
     chosen = capacity.choose(candidates)
-    shown = chosen if chosen is not None else min(candidates, key=lambda c: c.estimate.peak("reserved"),
-                                                  default=None)
+    shown = chosen if chosen is not None else capacity.leanest(candidates, "reserved")
     reason = None if chosen is not None else capacity.needs_message(
         candidates, budget, caps="reserved", reserve=kept)
     result = {**header, "fits": chosen is not None,
               "plan": None if chosen is None else chosen.plan.to_dict(),
               "compute_dtype": None if chosen is None else finetune.compute_dtype(chosen.plan.precision,
-                                                                                 args.weights),
+                                                                                 weights),
               "predicted_peak_bytes": None if shown is None else int(shown.estimate.peak_bytes),
               "predicted_reserved_bytes": None if shown is None else int(shown.estimate.peak("reserved")),
-              "table": [_plan_row(c, chosen, args.weights) for c in candidates],
+              "table": [_plan_row(c, chosen, weights) for c in candidates],
               "breakdown": None if shown is None else {k: int(v) for k, v in
                                                       shown.estimate.breakdown.items()},
               "host_optimizer_bytes": _host_state(shown),
               "reason": reason}
     result["verdict"] = verdict.sentence(result, candidates, chosen)
-    code = _probe_report(args, result, shown)
-    if code == EXIT_OK and args.verify:
-        code = _verify(args, budget, chosen)
-    return code
+    return result, shown
 
 
 def _caused_by(error: BaseException, kind: type) -> bool:
@@ -158,6 +186,7 @@ def _longer_rows(args, optimizer) -> int | None:
         try:
             with models.quiet_transformers():
                 model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=length)
+                models.set_attention(model, args.attn)
                 config = getattr(model, "config", None)
                 limit = getattr(config, "max_position_embeddings", None)
                 if isinstance(limit, int) and length > limit:
@@ -216,6 +245,7 @@ def _probe_report(args, result: dict, shown) -> int:
                       f"{result['weights']} weights ({result['trained_parameters'] / 1e6:.2f}M trained "
                       f"parameters)"),
         ("global batch", result["batch"]["text"]),
+        *([("attention", result["attention"])] if result["attention"] else []),
         *_fallback(result),
         ("gpu memory", format_size(result["gpu_mem_bytes"])),
         ("context reserve", f"{format_size(result['context_reserve_bytes'])} "
@@ -280,6 +310,7 @@ def _verify(args, budget: int, chosen) -> int:
     from autofit.errors import DoesNotFit
     model, batch = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                                device="cpu")
+    models.set_attention(model, args.attn)  # the attention the prediction priced
     with models.quiet_transformers():  # the fine-tune the prediction priced, on the real model
         model = finetune.prepare(model, trainable=args.trainable, lora_rank=args.lora_rank,
                                  weights=args.weights)

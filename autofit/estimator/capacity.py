@@ -329,6 +329,14 @@ def _interpolate(group, measure, fail: int, fit: int, limit: float, floor: int,
     return fit - 1
 
 
+def leanest(candidates, caps: str = "allocated") -> Candidate | None:
+    """The candidate with the smallest peak of `caps`, or None. Among equal peaks (reserved peaks
+    are whole segments: many plans of a small model reserve the same 2 MiB) the smallest allocated
+    peak, then the fewest rows: a refusal names the plan that needs least, not the first estimated."""
+    return min(candidates, key=lambda c: (c.estimate.peak(caps), c.estimate.peak_bytes, c.plan.micro_batch_size),
+               default=None)
+
+
 def choose(candidates) -> Candidate | None:
     """The fastest candidate that fits, or None."""
     fitting = [c for c in candidates if c.fits]
@@ -358,7 +366,7 @@ def needs_message(candidates, budget, *, margin: float = 1.0, calibration: float
                 f"{of_budget}.")
     if not candidates:
         return "no plan was estimated; nothing is known to fit."
-    smallest = min(candidates, key=lambda c: c.estimate.peak(caps))
+    smallest = leanest(candidates, caps)
     resident = smallest.estimate.resident
     state = f"{smallest.estimate.optimizer} state"
     weights = resident["params"] + resident["grads"]
@@ -374,7 +382,7 @@ def needs_message(candidates, budget, *, margin: float = 1.0, calibration: float
             f"use a smaller model or an optimizer with less state ({no_offload})"
         return (f"parameters, gradients and {state} alone need {format_size(everything)} {of_budget}: "
                 f"{advice}.")
-    tried = min(offloaded or candidates, key=lambda c: c.estimate.peak(caps))
+    tried = leanest(offloaded or candidates, caps)
     acts = tried.estimate.breakdown["activations"]
     held = "parameters and gradients" if tried.plan.offload_optimizer else \
         f"parameters, gradients and {state}"

@@ -44,9 +44,10 @@ it, as they replace any cached factor.
 Where the budget caps reserved bytes, what fits depends on the cache's history: the segments a
 step leaves are where the next step's blocks go, so a size that fits a fresh cache may not fit after
 a smaller step (measured on a DistilBERT: 14 rows fit after 14, 12 or 8 rows, not after 11 or 13).
-There every estimate replays the step before it first (`Estimator.measure(plan, after=...)`): a
-probe, the step of the plan the run is at; `start`, the plan's own first step, which is why a run
-that caps reserved bytes starts at the largest size so predicted rather than growing to it later.
+There every estimate replays the step before it first (`Estimator.measure(plan, after=...)`, laid
+out from one walk per plan: autofit.estimator.replayed): a probe, the step of the plan the run is
+at; `start`, the plan's own first step, which is why a run that caps reserved bytes starts at the
+largest size so predicted rather than growing to it later.
 
 Only rows as long as the estimated batch's are guided (the estimate is for that length); a
 guide whose estimator fails is said once in the log and steps aside: the search bisects as before.

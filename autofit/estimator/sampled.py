@@ -22,7 +22,7 @@ import torch
 from autofit.engine.batches import slice_batch
 from autofit.engine.replay import TRIAL, StartState
 from autofit.gpu.device import _map_tensors
-from autofit.estimator.estimate import Estimator, MemoryEstimate, _FakeDevice
+from autofit.estimator.walk import MemoryEstimate, Walker, _FakeDevice
 from autofit.estimator.fakes import warm
 from autofit.plans.plan import Plan
 
@@ -31,7 +31,7 @@ from autofit.plans.plan import Plan
 SAMPLE_ROWS = (1, 2, 3, 4)
 
 
-class SampledEstimator(Estimator):
+class SampledEstimator(Walker):
     """`measure(plan)` like the fake-tensor Estimator's, measured on real rows of the batch."""
 
     method = "sampled"

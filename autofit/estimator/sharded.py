@@ -47,7 +47,7 @@ from autofit.distributed import internals
 from autofit.engine.batches import rows_of, slice_batch
 from autofit.engine.step import StepRunner
 from autofit.estimator.data_dependent import Hints
-from autofit.estimator.estimate import Estimator, MemoryEstimate
+from autofit.estimator.walk import MemoryEstimate, Walker
 from autofit.estimator.fakes import check_optimizer, fake_like, fake_model, fake_optimizer, warm
 from autofit.gpu.device import _map_tensors
 from autofit.gpu.memory import storage_bytes
@@ -252,7 +252,7 @@ def _shard(model: torch.nn.Module, sharding: Sharding, mesh) -> None:
 
 # -- the estimate -----------------------------------------------------------------------------------
 
-class ShardedEstimator(Estimator):
+class ShardedEstimator(Walker):
     """`Estimator` for one rank of a model sharded with FSDP2 as `sharding` says; `batch` is this
     rank's batch (its share of the global batch). Fake copies made once, `measure(plan)` per plan."""
 

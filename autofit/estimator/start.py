@@ -19,12 +19,14 @@ import logging
 from collections.abc import Sequence
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import choose, make_estimator, needs_message, no_offload, rank, unplaced, usable_bytes
+from autofit.estimator.capacity import (choose, leanest, make_estimator, needs_message, no_offload, rank, unplaced,
+                                        usable_bytes)
 from autofit.estimator.estimate import own_reserved
 from autofit.estimator.guide import Guide
 from autofit.gpu.workspaces import Workspaces
 from autofit.errors import DoesNotFit, one_line
 from autofit.plans.applies import not_applicable
+from autofit.plans.plan import Plan
 from autofit.plans.sizelog import config_of
 from autofit.engine.reading import rng_untouched
 from autofit.sizes import format_size
@@ -155,31 +157,13 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
         return None
     chosen = choose(candidates)
     if chosen is None:
-        leanest = min(candidates, key=lambda c: c.estimate.peak_bytes) if candidates else None
-        needs = needs_message(candidates, budget, calibration=calibration, no_offload=no_offload(estimator),
-                              **room)
-        raise DoesNotFit(
-            f"no plan can fit global batch {rows_of(batch)} on {device.describe()}, checked before "
-            f"training: {needs}",
-            breakdown=leanest.estimate.breakdown if leanest else None, budget=budget,
-            plan=leanest.plan if leanest else None)
-    # Sizes predicted over the budget even uncalibrated bound the upward search (for rows as long
-    # as the estimated batch's, the longest of a list, and shorter); those only a calibration above
-    # 1 rules out stay open to the guide's probe, since the run measures its own calibration.
+        raise _refusal(candidates, budget, device, rows_of(batch), estimator, room, calibration)
     length = row_elements(batch)
-    usable = usable_bytes(budget, reserve=room["reserve"])
-    for c in candidates:
-        if c.estimate.peak(room["caps"]) * min(calibration, 1.0) > usable \
-                and config_of(c.plan) == config_of(chosen.plan) \
-                and c.plan.micro_batch_size > chosen.plan.micro_batch_size:
-            sizes.record(c.plan, ok=False, length=length)
+    _record_over(candidates, chosen.plan, sizes, length, usable_bytes(budget, reserve=room["reserve"]),
+                 room["caps"], calibration)
     plan, widened = chosen.plan, ""
     if guide is not None and estimator._sampled is None:  # never real steps in the middle of a run
-        guide.attach(estimator, candidates, length)
-        plan = guide.start(chosen.plan, sizes.fail(chosen.plan, length), length)
-        if plan != chosen.plan:  # where the budget caps reserved bytes: see Guide.start
-            widened = (f"; micro-batch {plan.micro_batch_size}, the largest predicted to fit a run "
-                       f"starting with it (reserved peak {format_size(guide.predicted(plan))})")
+        plan, widened = _widened(guide, estimator, candidates, chosen.plan, sizes, length)
     # The chosen size is what a batch this long gets back to after a probe on shorter ones.
     sizes.record(plan, ok=True, length=length)
     peak = "reserved peak" if room["caps"] == "reserved" else "peak"
@@ -189,3 +173,38 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
               f"{len(candidates)} plan(s) estimated){widened}")
     log.info("capacity check: %s", reason)
     return plan, reason
+
+
+def _refusal(candidates, budget: int, device, rows: int, estimator, room: dict, calibration: float) -> DoesNotFit:
+    """The capacity check's refusal when no candidate fits: what is needed, and the plan it names
+    (the leanest offloaded one where any was estimated) with its breakdown."""
+    named = leanest([c for c in candidates if c.plan.offload_optimizer] or candidates, room["caps"])
+    needs = needs_message(candidates, budget, calibration=calibration, no_offload=no_offload(estimator), **room)
+    return DoesNotFit(f"no plan can fit global batch {rows} on {device.describe()}, checked before "
+                      f"training: {needs}",
+                      breakdown=named.estimate.breakdown if named else None, budget=budget,
+                      plan=named.plan if named else None)
+
+
+def _record_over(candidates, chosen: Plan, sizes, length, usable: int, caps: str, calibration: float) -> None:
+    """Record in `sizes` the chosen configuration's larger sizes predicted over the budget even
+    uncalibrated: they bound the upward search (for rows as long as the estimated batch's, the
+    longest of a list, and shorter); those only a calibration above 1 rules out stay open to the
+    guide's probe, since the run measures its own calibration."""
+    for c in candidates:
+        if c.estimate.peak(caps) * min(calibration, 1.0) > usable and config_of(c.plan) == config_of(chosen) \
+                and c.plan.micro_batch_size > chosen.micro_batch_size:
+            sizes.record(c.plan, ok=False, length=length)
+
+
+def _widened(guide: Guide, estimator, candidates, chosen: Plan, sizes, length) -> tuple[Plan, str]:
+    """(the plan the run starts with, what the reason adds): the guide keeps the estimator and its
+    estimates, and where the budget caps reserved bytes starts at the largest size predicted to fit
+    a run starting with it (see Guide.start)."""
+    guide.attach(estimator, candidates, length)
+    with estimator.sharing_dispatch_cache():  # the sizes searched share the parameters' ops
+        plan = guide.start(chosen, sizes.fail(chosen, length), length)
+    if plan == chosen:
+        return plan, ""
+    return plan, (f"; micro-batch {plan.micro_batch_size}, the largest predicted to fit a run starting "
+                  f"with it (reserved peak {format_size(guide.predicted(plan))})")

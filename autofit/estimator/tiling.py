@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from autofit.estimator.estimate import SCALER_BYTES, Estimator, MemoryEstimate
+from autofit.estimator.walk import SCALER_BYTES, MemoryEstimate, Walker
 from autofit.estimator.repeated import repeated_blocks
 from autofit.estimator.traced import Untileable, _CutEstimator
 from autofit.errors import AllocationFailed
@@ -123,9 +123,11 @@ def canonical(events: list) -> list:
     return out
 
 
-def replay(events: list) -> tuple[int, dict, int | None, int]:
+def replay(events: list, whole_blocks: bool = False) -> tuple[int, dict, int | None, int]:
     """(allocated peak, breakdown at it, peak inside the optimizer step, reserved peak) of a trace,
-    counted as the estimator's meter counts (from its `start`) through the allocator model."""
+    counted as the estimator's meter counts (from its `start`) through the allocator model; with
+    `whole_blocks`, as a card's meter counts: a block the allocator hands out whole (c10 does not
+    split a large-pool block whose remainder is <= 1 MiB) counts whole (`SimulatedGPU._charge`)."""
     allocator = CachingAllocator()
     live: dict = {}
     totals = dict.fromkeys(KINDS, 0)
@@ -135,9 +137,11 @@ def replay(events: list) -> tuple[int, dict, int | None, int]:
         kind = e[0]
         if kind == "a":
             _, uid, size, of = e
-            live[uid] = [size, of, allocator.malloc(size, False) if size else None]
-            allocated += size
-            totals[of] += size
+            block = allocator.malloc(size, False) if size else None
+            charged = block.size if whole_blocks and block is not None else size
+            live[uid] = [charged, of, block]
+            allocated += charged
+            totals[of] += charged
             if allocated > top:
                 top, top_breakdown = allocated, dict(totals)
             if in_step and allocated > step_top:
@@ -193,14 +197,14 @@ def replay_capped(events: list, limit: int) -> tuple[int, bool]:
 class Repeated:
     """An estimator's repeated blocks: its cut copies and which kinds of plan passed the check."""
 
-    def __init__(self, parent: Estimator, path: str, blocks: int):
+    def __init__(self, parent: Walker, path: str, blocks: int):
         self.parent, self.path, self.blocks = parent, path, blocks
         self.cuts: dict = {}
         self.checked: dict = {}  # kind of plan -> whether the tiled trace matched the walk of 4
         self.why: dict = {}      # kind of plan -> why it is walked whole
 
     @classmethod
-    def of(cls, estimator: Estimator) -> "Repeated | None":
+    def of(cls, estimator: Walker) -> "Repeated | None":
         found = repeated_blocks(estimator.model)
         return cls(estimator, *found) if found is not None else None
 
@@ -240,7 +244,9 @@ class Repeated:
                     raise Untileable("the trace tiled to 4 blocks differs from the walk of 4")
                 self.checked[kind] = True
             tiled = tile(events, self.blocks)
-            peak, breakdown, step, reserved = replay(tiled)
+            # The cut walks count requests (their meter keeps no card's accounting), as the checks
+            # above compare; the model's estimate counts as the parent's meter would.
+            peak, breakdown, step, reserved = replay(tiled, whole_blocks=self.parent._own() is not None)
         except Exception as error:  # the cut copy cannot stand for the model: walk it whole
             self.checked[kind] = False
             self.why[kind] = f"{type(error).__name__}: {error}"

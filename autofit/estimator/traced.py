@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from autofit.estimator.estimate import Estimator, MemoryEstimate, _Meter, _device_query, as_run
+from autofit.estimator.walk import MemoryEstimate, Walker, _Meter, _device_query, as_run
 from autofit.estimator.fakes import fake_optimizer, warm
 from autofit.estimator.repeated import cut_fake_model
 from autofit.gpu.simulate import _count, _CountingMode, _skipped_by_dynamo, _tensors
@@ -229,10 +229,10 @@ class _Phases:
         return None
 
 
-class _CutEstimator(Estimator):
+class _CutEstimator(Walker):
     """The estimator's walk on a fake copy cut to `keep` blocks, recording the trace."""
 
-    def __init__(self, parent: Estimator, path: str, keep: int):
+    def __init__(self, parent: Walker, path: str, keep: int):
         # The parent's fake mode, batch and options; a cut copy of its fake model and optimizer.
         vars(self).update({k: getattr(parent, k) for k in
                            ("rows", "device_type", "loss_fn", "mode", "optimizer_name", "resident")})

@@ -13,6 +13,7 @@ class RecordingAllocator(CachingAllocator):
     def __init__(self, expandable: bool = False):
         super().__init__(None, expandable)
         # ("m", nbytes, enforce, id) | ("f", id) | ("r",): `begin` | ("c",): `release_cached`
+        # | ("s",): `mark_step`
         self.events: list[tuple] = []
         self.recording = True
 
@@ -31,6 +32,12 @@ class RecordingAllocator(CachingAllocator):
         if self.recording:
             self.events.append(("c",))
         super().release_cached()
+
+    def mark_step(self) -> None:
+        """The optimizer's update begins: where a run's first step makes the optimizer state
+        (autofit.estimator.replayed lays the state's blocks there). A replay ignores it."""
+        if self.recording:
+            self.events.append(("s",))
 
     def begin(self) -> None:
         """The measured step begins: a replay's peak counts from here. The step's own resets of the
@@ -59,6 +66,6 @@ def replay_capped(events: list, limit: int, expandable: bool = False) -> tuple[i
             allocator.free(blocks.pop(e[1]))
         elif op == "r":
             allocator.reset_peak()
-        else:
+        elif op == "c":
             allocator.release_cached()
     return allocator.max_reserved, True

@@ -35,11 +35,15 @@ FEATURES = {
         ("PreTrainedModel.enable_input_require_grads", "_require_grads_hooks"),
         ("PreTrainedModel.enable_input_require_grads", "_require_grads_hook"),
     ),
+    "the probe's report of a model's attention implementation": (
+        ("PretrainedConfig", "_attn_implementation"),   # the implementation the model's layers call
+    ),
 }
 
 _checked: set[str] = set()
 TRAINER = "the Trainer callback (autofit.integrations.hf_trainer)"
 CHECKPOINTING = "activation checkpointing of a transformers model"
+ATTENTION = "the probe's report of a model's attention implementation"
 # The oldest transformers that has each feature's names, for the refusal's advice (the Trainer's
 # running loss `_tr_loss` came in 5.3).
 SINCE = {TRAINER: "5.3"}
@@ -47,6 +51,7 @@ SINCE = {TRAINER: "5.3"}
 OPTIONAL = {
     CHECKPOINTING: "the input-embedding hooks transformers' gradient checkpointing adds stay on the model "
                    "when autofit switches checkpointing back off (inputs keep requiring grad)",
+    ATTENTION: "the probe prices the model's attention as built and names no implementation",
 }
 log = logging.getLogger("autofit")
 
@@ -68,6 +73,8 @@ def missing(feature: str, trainer=None) -> list[str]:
             found = hasattr(transformers.Trainer, name)
         elif kind == "Trainer source":
             found = f"self.{name}" in _source(transformers.Trainer)
+        elif kind == "PretrainedConfig":
+            found = hasattr(transformers.PretrainedConfig, name)
         else:
             found = f"self.{name}" in _source(transformers.PreTrainedModel.enable_input_require_grads)
         if not found:
@@ -166,3 +173,14 @@ def no_split_modules(model) -> list:
     """The class names a Hugging Face model says are never split across devices (its transformer
     blocks): what `shard=True` wraps in fully_shard. [] for a model that names none."""
     return list(getattr(model, "_no_split_modules", None) or ())
+
+
+# -- a model's attention implementation -----------------------------------------------------------
+def attention_implementation(model) -> str | None:
+    """The attention implementation a Hugging Face model's layers call ("eager", "sdpa", ...), or
+    None for another model or where this transformers does not say (one line, once)."""
+    config = getattr(model, "config", None)
+    if config is None or not supported(ATTENTION):
+        return None
+    found = getattr(config, "_attn_implementation", None)
+    return found if isinstance(found, str) else None
