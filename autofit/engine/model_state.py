@@ -408,6 +408,10 @@ class Gradients:
         checked; the model's are dropped by the release)."""
         for tensor, _ in self.outside.values():
             tensor.grad = None
+        # A leaf with no gradient at entry has nothing to restore (its gradient was just dropped),
+        # and one made inside the failed attempt (a bias its forward made with requires_grad, as
+        # T5's under checkpointing) is the attempt's: held here, it would outlive the attempt.
+        self.outside = {key: kept for key, kept in self.outside.items() if kept[1] is not None}
 
     def restore(self) -> None:
         """Before a replay: the entry gradients come back, on the device."""
