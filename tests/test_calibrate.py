@@ -199,7 +199,7 @@ def test_a_cold_run_probes_straight_to_the_largest_fit_and_caches_its_calibratio
     assert entry["calibrated_peak"] == "allocated"
     # The same run without the guide bisects blindly: one OOM, and 12 rows at the second batch.
     PlanCache().clear()
-    monkeypatch.setattr("autofit.recipes.training.make_guide", lambda *a: None)
+    monkeypatch.setattr("autofit.recipes.starts.make_guide", lambda *a: None)
     blind = autofit.run(bert(), batches(), budget=budget, precision="fp32", progress=False)
     assert steps(blind) == [(0, 8, "ok"), (1, 12, "ok"), (2, 14, "oom"), (2, 12, "ok")]
 
