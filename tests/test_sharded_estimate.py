@@ -81,7 +81,7 @@ def test_sharding_is_read_from_a_sharded_model_and_the_callers_world_is_untouche
 def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     from torch.distributed.fsdp import fully_shard
     from models import tiny_bert
-    from autofit.estimator.capacity import rank
+    from autofit.estimator.capacity import Space, make_estimator, rank
     world, mesh = sharded._fake_world(4)
     model = tiny_bert()
     with sharded._entered(world):
@@ -101,7 +101,8 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     assert autofit.estimate(model, bert_batch, plan, device_type="cpu").peak_bytes == expected.peak_bytes
     assert checks == []
     switches.close()
-    candidates = rank(model, bert_batch, "1GiB", precision="fp32", device_type="cpu")
+    candidates = rank(make_estimator(model, bert_batch, device_type="cpu"), bert_batch, "1GiB",
+                      space=Space("fp32"))
     # the whole batch fits; no offload offered; the user's reshard_after_forward=False, explicit
     assert [c.plan for c in candidates] == [Plan(8, reshard_after_forward=False)]
     assert candidates[0].estimate.peak_bytes == estimate_sharded(

@@ -292,6 +292,7 @@ class ShardedEstimator(Walker):
             self.batch = _map_tensors(batch, fake_like)
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
+        self.reshard_choices = _reshard_choices(model, sharding)  # the capacity check's to price
 
     def _tag_kinds(self) -> None:
         """What FSDP2 allocates is counted by kind, in the breakdown: a unit's all-gather and its
@@ -365,6 +366,16 @@ def reshard_measured(estimator, plan: Plan):
     if estimator.sharding is None or plan.reshard_after_forward is not None:
         return plan.reshard_after_forward
     return estimator.sharding.reshard_after_forward
+
+
+def _reshard_choices(model, sharding: Sharding) -> tuple[bool, ...]:
+    """FSDP2's reshard_after_forward values to price: those a run may use on `model` when it is
+    sharded (autofit.distributed.fsdp.reshard_choices: never more than the user chose), else
+    keeping gathered parameters only when `sharding` says so."""
+    from autofit.distributed.fsdp import is_sharded, reshard_choices
+    if is_sharded(model):
+        return reshard_choices(model)
+    return (False, True) if not sharding.reshard_after_forward else (True,)
 
 
 def reduce_each_measured(estimator, plan: Plan) -> bool:
