@@ -8,7 +8,7 @@ fastest first (by the cost model of `autofit.estimator.cost`); `choose` takes th
 
 Fits
 ----
-A plan fits when its predicted peak, times the calibration, is within the budget less a reserve:
+A plan fits (`Fit`) when its predicted peak, times the calibration, is within the budget less a reserve:
 the peak the budget caps — `caps="reserved"` (a card, whose memory limit caps what the caching
 allocator reserves) compares the estimate's reserved peak, `caps="allocated"` (a budget on live
 tensor bytes) its allocated peak — so the check compares like with like; the estimates hold the
