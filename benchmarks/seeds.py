@@ -31,7 +31,7 @@ import torch
 from common import bert, cls_batches, gpt2, lm_batches, print_environment, setup, table
 
 import autofit  # noqa: E402  (common put the checkout on sys.path)
-from autofit.estimator.capacity import choose, needs_message, rank  # noqa: E402
+from autofit.estimator.capacity import Fit, choose, make_estimator, needs_message, rank  # noqa: E402
 from autofit.gpu.device import SimulatedDevice  # noqa: E402
 from autofit.plans.plan import Plan  # noqa: E402
 from autofit.sizes import format_size, parse_size  # noqa: E402
@@ -104,7 +104,8 @@ def scibert_full():
     validation = autofit.estimate(model, batch(2 * rows), Plan.for_batch(2 * rows, rows),
                                   optimizer=optimizer, loss_fn=validation_without_no_grad)
     started = time.perf_counter()
-    candidates = rank(model, train, budget, optimizer=optimizer, **ON_CARD)
+    candidates = rank(make_estimator(model, train, optimizer, workspaces=WORKSPACES), train, budget,
+                      fit=Fit(**ON_CARD))
     chosen = choose(candidates)
     seconds = time.perf_counter() - started
     evaluation = autofit.estimate(model, batch(4 * rows), Plan(4 * rows), optimizer=optimizer,
@@ -156,8 +157,8 @@ def lm_two_phase_full():
     first = max(stateless.peak_bytes, naive.step_bytes or 0)
     state = naive.resident["optimizer"]
     started = time.perf_counter()
-    one = rank(model, batch, budget, optimizer=phase1, **ON_CARD)
-    two = rank(model, batch, budget, optimizer=phase2, **ON_CARD)
+    one = rank(make_estimator(model, batch, phase1, workspaces=WORKSPACES), batch, budget, fit=Fit(**ON_CARD))
+    two = rank(make_estimator(model, batch, phase2, workspaces=WORKSPACES), batch, budget, fit=Fit(**ON_CARD))
     seconds = time.perf_counter() - started
     a, b = choose(one), choose(two)
     rows_ = [

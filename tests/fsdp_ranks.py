@@ -68,7 +68,7 @@ def measure_and_predict(config, mesh, rank: int):
     import autofit
     from autofit.distributed.fsdp import Sharded
     from autofit.engine.step import StepRunner
-    from autofit.estimator.sharded import estimate_sharded
+    from autofit.estimator.sharded import Sharding, estimate_sharded
     from autofit.gpu.device import SimulatedDevice
     from autofit.plans.plan import Plan
     name, kind, raf, param_dtype, fields, shard_first, reduce_each = config
@@ -93,12 +93,12 @@ def measure_and_predict(config, mesh, rank: int):
     model = _model(kind)
     if shard_first:
         _shard(model, mesh, raf, param_dtype)
-        est = estimate_sharded(model, WORLD, plan, batch, reduce_each_micro_batch=reduce_each,
-                               device_type="cpu")
+        est = estimate_sharded(model, Sharding.read(model, WORLD, reduce_each_micro_batch=reduce_each), plan,
+                               batch, device_type="cpu")
     else:
-        est = estimate_sharded(model, WORLD, plan, batch, reshard_after_forward=raf,
-                               param_dtype=param_dtype, reduce_each_micro_batch=reduce_each,
-                               device_type="cpu")
+        sharding = Sharding.read(model, WORLD, reshard_after_forward=raf, param_dtype=param_dtype,
+                                 reduce_each_micro_batch=reduce_each)
+        est = estimate_sharded(model, sharding, plan, batch, device_type="cpu")
     return measured, est
 
 

@@ -10,7 +10,7 @@ from transformers import BertConfig, BertForSequenceClassification
 import autofit
 from autofit.cache.memo import Memo
 from autofit.cache.store import PlanCache
-from autofit.estimator.capacity import choose, rank
+from autofit.estimator.capacity import Fit, Space, choose, rank
 from autofit.estimator.estimate import Estimator, MemoryEstimate
 from autofit.estimator.guide import Guide
 from autofit.estimator.start import headroom
@@ -99,8 +99,8 @@ class Peaks:
     ("reserved", 4 * MiB, 6),            # 26 of the 26 left after the workspace reserve
 ])
 def test_the_capacity_decision_compares_the_peak_the_budget_caps(caps, reserve, fitting):
-    candidates = rank(None, batches(1)[0], 30 * MiB, precision="fp32", caps=caps, reserve=reserve,
-                      allow_offload=False, estimator=Peaks())
+    candidates = rank(Peaks(), batches(1)[0], 30 * MiB, fit=Fit(caps=caps, reserve=reserve),
+                      space=Space("fp32", allow_offload=False))
     chosen = choose(candidates)
     # micro_batch_sizes(16) = 16, 8, 6, 4, 3, 2, 1: the largest of them within the limit
     assert chosen.plan.micro_batch_size == fitting

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from autofit.estimator.capacity import Candidate, choose, needs_message, rank
+from autofit.estimator.capacity import Candidate, Fit, Space, choose, make_estimator, needs_message, rank
 from autofit.estimator.cost import CHECKPOINT_COST, OFFLOAD_COST, candidate_plans, micro_batch_sizes, plan_cost
 from autofit.plans.precision import MIXED_PRECISION_COST
 from autofit.gpu.device import SimulatedDevice
@@ -19,6 +19,11 @@ from autofit.engine.step import StepRunner
 from test_estimate import gpt2, gpt2_batch, simulated_peak
 
 ROWS = 16
+
+
+def rank_cpu(model, batch, budget, **values):
+    """`rank` of a CPU estimator of `model` on `batch` (`values`: fit=, space= as rank takes them)."""
+    return rank(make_estimator(model, batch, device_type="cpu"), batch, budget, **values)
 
 
 def shape(plan: Plan) -> tuple:
@@ -143,7 +148,7 @@ def peaks():
 
 def test_rank_picks_the_largest_micro_batch_that_really_fits(peaks):
     budget = peaks[16, "fp32"] - 1  # the whole batch at once does not fit
-    candidates = rank(gpt2(), gpt2_batch(ROWS), budget, margin=1.0, device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), budget, fit=Fit(margin=1.0))
     assert [(shape(c.plan), c.fits) for c in candidates] == [
         ((16, 1, "fp32", False, False), False),
         ((8, 2, "fp32", False, False), True),
@@ -158,7 +163,7 @@ def test_rank_picks_the_largest_micro_batch_that_really_fits(peaks):
 
 def test_rank_prefers_bf16_to_a_gpu_starving_micro_batch(peaks):
     budget = peaks[8, "fp32"] - 1  # fp32 needs micro-batches of 6 or fewer rows
-    candidates = rank(gpt2(), gpt2_batch(ROWS), budget, margin=1.0, device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), budget, fit=Fit(margin=1.0))
     assert [(shape(c.plan), c.fits) for c in candidates] == [
         ((16, 1, "fp32", False, False), False),
         ((8, 2, "fp32", False, False), False),
@@ -176,22 +181,22 @@ def test_rank_prefers_bf16_to_a_gpu_starving_micro_batch(peaks):
 
 
 def test_a_roomy_budget_needs_one_estimate():
-    candidates = rank(gpt2(), gpt2_batch(ROWS), "1GiB", device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), "1GiB")
     assert [(shape(c.plan), c.fits, c.cost) for c in candidates] == [
         ((16, 1, "fp32", False, False), True, 1.0)]
 
 
 def test_margin_and_calibration_decide_what_fits(peaks):
     peak = peaks[16, "fp32"]
-    assert rank(gpt2(), gpt2_batch(ROWS), peak, margin=1.0, device_type="cpu", max_estimates=1)[0].fits
-    assert not rank(gpt2(), gpt2_batch(ROWS), peak, margin=0.99, device_type="cpu",
-                    max_estimates=1)[0].fits
-    assert not rank(gpt2(), gpt2_batch(ROWS), peak, margin=1.0, calibration=1.01, device_type="cpu",
-                    max_estimates=1)[0].fits
+    assert rank_cpu(gpt2(), gpt2_batch(ROWS), peak, fit=Fit(margin=1.0), space=Space(max_estimates=1))[0].fits
+    assert not rank_cpu(gpt2(), gpt2_batch(ROWS), peak, fit=Fit(margin=0.99),
+                        space=Space(max_estimates=1))[0].fits
+    assert not rank_cpu(gpt2(), gpt2_batch(ROWS), peak, fit=Fit(margin=1.0, calibration=1.01),
+                        space=Space(max_estimates=1))[0].fits
 
 
 def test_max_estimates_caps_the_search():
-    candidates = rank(gpt2(), gpt2_batch(ROWS), "2.5MiB", device_type="cpu", max_estimates=3)
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), "2.5MiB", space=Space(max_estimates=3))
     assert len(candidates) == 3
 
 
@@ -216,7 +221,7 @@ def sizes():
 
 def test_nothing_fits_even_parameters_and_gradients(sizes):
     budget = 100 * 1024
-    candidates = rank(gpt2(), gpt2_batch(ROWS), budget, device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), budget)
     assert choose(candidates) is None
     assert [shape(c.plan) for c in candidates] == [(1, 16, "bf16", True, True)]  # one estimate
     assert candidates[0].estimate.resident == sizes
@@ -232,8 +237,8 @@ def test_nothing_fits_without_offload(sizes):
     budget = 2 * 2**20
     everything = sum(sizes.values())
     assert sizes["params"] + sizes["grads"] < budget < everything
-    candidates = rank(gpt2(), gpt2_batch(ROWS), budget, margin=1.0, device_type="cpu",
-                      allow_offload=False)
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), budget, fit=Fit(margin=1.0),
+                          space=Space(allow_offload=False))
     assert choose(candidates) is None
     assert not any(c.plan.offload_optimizer for c in candidates)
     assert needs_message(candidates, budget, margin=1.0) == (
@@ -245,7 +250,7 @@ def test_nothing_fits_because_of_activations(sizes):
     budget = int(1.35 * 2**20)
     weights = sizes["params"] + sizes["grads"]
     assert weights < budget
-    candidates = rank(gpt2(), gpt2_batch(ROWS), budget, margin=1.0, device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), budget, fit=Fit(margin=1.0))
     assert choose(candidates) is None
     # Little room beyond the weights: the most frugal plans are tried first, and suffice to tell.
     assert [shape(c.plan) for c in candidates] == [(1, 16, "fp32", True, True), (1, 16, "bf16", True, True)]
@@ -260,27 +265,27 @@ def test_nothing_fits_because_of_activations(sizes):
 
 
 def test_needs_message_when_a_plan_fits():
-    candidates = rank(gpt2(), gpt2_batch(ROWS), "1GiB", margin=1.0, device_type="cpu")
+    candidates = rank_cpu(gpt2(), gpt2_batch(ROWS), "1GiB", fit=Fit(margin=1.0))
     assert needs_message(candidates, "1GiB", margin=1.0).startswith(
         "micro 16 x 1, fp32 fits: ")
     assert needs_message([], "1GiB") == "no plan was estimated; nothing is known to fit."
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"margin": 0}, "margin must be in"),
-    ({"margin": 1.5}, "margin must be in"),
-    ({"calibration": 0}, "calibration must be a positive number"),
-    ({"max_estimates": 0}, "max_estimates must be a positive int"),
-    ({"precision": "half"}, "precision must be one of"),
+@pytest.mark.parametrize("value, kwargs, match", [
+    (Fit, {"margin": 0}, "margin must be in"),
+    (Fit, {"margin": 1.5}, "margin must be in"),
+    (Fit, {"calibration": 0}, "calibration must be a positive number"),
+    (Space, {"max_estimates": 0}, "max_estimates must be a positive int"),
+    (Space, {"precision": "half"}, "precision must be one of"),
 ])
-def test_rank_rejects_bad_arguments(kwargs, match):
+def test_rank_rejects_bad_arguments(value, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        rank(gpt2(), gpt2_batch(ROWS), "1GiB", device_type="cpu", **kwargs)
+        rank_cpu(gpt2(), gpt2_batch(ROWS), "1GiB", **{value.__name__.lower(): value(**kwargs)})
 
 
 def test_estimate_and_rank_agree_on_the_cuda_side():
     """device_type="cuda" (the default) ranks with the estimator's CUDA predictions."""
     batch = gpt2_batch(ROWS)
-    candidates = rank(gpt2("sdpa"), batch, "1GiB")
+    candidates = rank(make_estimator(gpt2("sdpa"), batch), batch, "1GiB")
     assert candidates[0].estimate == estimate(gpt2("sdpa"), batch, Plan(ROWS))
     assert candidates[0].estimate.device_type == "cuda"

@@ -11,7 +11,7 @@ import torch
 
 import autofit
 from autofit.engine.step import StepRunner
-from autofit.estimator.capacity import rank
+from autofit.estimator.capacity import Fit, Space, make_estimator, rank
 from autofit.estimator.estimate import Estimator
 from autofit.estimator.guide import Guide
 from autofit.gpu.device import open_device
@@ -79,8 +79,8 @@ def test_live_bytes_fit_the_unbounded_reserved_peak_does_not_and_the_capped_repl
     assert (capped.peak_bytes, capped.breakdown) == (unbounded.peak_bytes, unbounded.breakdown)
     assert estimator.measure(WIDE_PLAN, limit=84 * MiB).reserved_bytes == 84 * MiB
     # The capacity check decides so, and reports the capped peak.
-    candidates = rank(wide(), WIDE_BATCH, 84 * MiB, precision="fp32", caps="reserved", device_type="cpu",
-                      optimizer=sgd, loss_fn=loss_fn, allow_offload=False)
+    candidates = rank(make_estimator(wide(), WIDE_BATCH, sgd, loss_fn, device_type="cpu"), WIDE_BATCH, 84 * MiB,
+                      fit=Fit(caps="reserved"), space=Space("fp32", allow_offload=False))
     whole = next(c for c in candidates if c.plan == WIDE_PLAN)
     assert whole.fits and whole.estimate.reserved_bytes == 84 * MiB
     assert candidates[0] is whole  # the fastest plan, one micro-batch of all rows
@@ -93,8 +93,8 @@ def test_a_cap_the_replay_cannot_keep_does_not_fit():
     capped = estimator.capped(WIDE_PLAN, 83 * MiB)
     assert capped.reserved_bytes > 83 * MiB
     assert real_step(wide, WIDE_BATCH, WIDE_PLAN, 83 * MiB, sgd) is None  # the real step runs out
-    candidates = rank(wide(), WIDE_BATCH, 83 * MiB, precision="fp32", caps="reserved", device_type="cpu",
-                      optimizer=sgd, loss_fn=loss_fn, allow_offload=False)
+    candidates = rank(make_estimator(wide(), WIDE_BATCH, sgd, loss_fn, device_type="cpu"), WIDE_BATCH, 83 * MiB,
+                      fit=Fit(caps="reserved"), space=Space("fp32", allow_offload=False))
     whole = next(c for c in candidates if c.plan == WIDE_PLAN)
     assert not whole.fits and whole.estimate.reserved_bytes == 86 * MiB  # the unbounded estimate
 
@@ -173,8 +173,7 @@ def test_four_llama_2_7b_layers_at_one_row_of_2048_fit_a_card_of_8_99_gib_with_s
     estimator = Estimator(model, batch, sgd)
     unbounded = estimator.measure(Plan(1, 1, precision="fp32"))
     assert (unbounded.peak_bytes, unbounded.reserved_bytes) == (8607058432, 10708058112)
-    candidates = rank(model, batch, budget, precision="fp32", caps="reserved", optimizer=sgd,
-                      allow_offload=False, estimator=estimator)
+    candidates = rank(estimator, batch, budget, fit=Fit(caps="reserved"), space=Space("fp32", allow_offload=False))
     fastest = candidates[0]
     assert fastest.plan == Plan(1, 1, precision="fp32") and fastest.fits
     assert fastest.estimate.reserved_bytes == 9642704896 <= budget

@@ -409,10 +409,17 @@ def test_probe_prints_what_capacity_ranked(capsys, monkeypatch):
     ranked = [candidate(32, 1, "fp32", 900, False, 1.0, 480), candidate(16, 2, "fp32", 700, True, 1.0303, 290),
               candidate(8, 4, "bf16", 500, True, 1.2545, 96)]
 
-    def rank(model, batch, budget, **kwargs):
+    def make_estimator(model, batch, optimizer=None, **kwargs):
+        return model, optimizer, kwargs
+
+    def rank(estimator, batch, budget, *, fit, space):
+        model, optimizer, made = estimator
+        kwargs = {"precision": space.precision, "caps": fit.caps, "reserve": fit.reserve,
+                  "device_type": made["device_type"], "optimizer": optimizer, "workspaces": fit.workspaces}
         calls.append((type(model).__name__, {k: list(v.shape) for k, v in batch.items()}, budget, kwargs))
         return ranked
 
+    monkeypatch.setattr(capacity, "make_estimator", make_estimator)
     monkeypatch.setattr(capacity, "rank", rank)
     argv = ["probe", "--gpu-mem", "1GiB", "--context-reserve", "200MiB", *TINY]
     assert main(argv) == 0

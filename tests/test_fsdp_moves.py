@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from autofit.estimator.capacity import choose, rank
+from autofit.estimator.capacity import Space, choose, rank
 from autofit.estimator.cost import REDUCE_EACH_COST, RESHARD_COST, candidate_plans, plan_cost
 from autofit.estimator.sharded import ShardedEstimator, Sharding
 from autofit.gpu.device import CpuDevice
@@ -121,7 +121,7 @@ def test_the_capacity_check_picks_the_fastest_fsdp_setting_that_fits():
     assert peak["16F"] > peak["16T"] > peak["8F"] > peak["8T"] > peak["8FR"] > peak["8TR"]
 
     def chosen(budget):
-        return choose(rank(model, batch, budget, precision="fp32", estimator=est, device_type="cpu")).plan
+        return choose(rank(est, batch, budget, space=Space("fp32"))).plan
     assert chosen(peak["16F"]) == plans["16F"]
     assert chosen(peak["16F"] - 1) == plans["16T"]
     assert chosen(peak["16T"] - 1) == plans["8F"]
@@ -130,8 +130,7 @@ def test_the_capacity_check_picks_the_fastest_fsdp_setting_that_fits():
     assert chosen(peak["8FR"] - 1) == plans["8TR"]  # before checkpointing (cost 4/3)
     # a model sharded with reshard_after_forward=True: keeping gathered parameters is never priced
     user = ShardedEstimator(model, batch, Sharding(WORLD), device_type="cpu")
-    priced = {c.plan for c in rank(model, batch, peak["8F"], precision="fp32", estimator=user,
-                                   device_type="cpu", sharding=Sharding(WORLD))}
+    priced = {c.plan for c in rank(user, batch, peak["8F"], space=Space("fp32"))}
     assert priced and all(p.reshard_after_forward is True for p in priced)
 
 

@@ -81,7 +81,7 @@ def test_sharding_is_read_from_a_sharded_model_and_the_callers_world_is_untouche
 def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     from torch.distributed.fsdp import fully_shard
     from models import tiny_bert
-    from autofit.estimator.capacity import rank
+    from autofit.estimator.capacity import Space, make_estimator, rank
     world, mesh = sharded._fake_world(4)
     model = tiny_bert()
     with sharded._entered(world):
@@ -89,9 +89,10 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
             fully_shard(layer, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh)
     plan = Plan(4, accumulation_steps=2)
-    expected = estimate_sharded(tiny_bert(), 4, plan, bert_batch, reshard_after_forward=False,
-                                units=["bert.encoder.layer.0", "bert.encoder.layer.1"],
-                                device_type="cpu")
+    unsharded = tiny_bert()
+    expected = estimate_sharded(unsharded, Sharding.read(unsharded, 4, reshard_after_forward=False,
+                                                         units=["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+                                plan, bert_batch, device_type="cpu")
     # during a run, autofit's agreements hook the units: the estimate must never call them
     from autofit.distributed.fsdp import Sharded
     checks = []
@@ -101,7 +102,8 @@ def test_estimate_and_rank_price_a_sharded_model_per_rank(bert_batch):
     assert autofit.estimate(model, bert_batch, plan, device_type="cpu").peak_bytes == expected.peak_bytes
     assert checks == []
     switches.close()
-    candidates = rank(model, bert_batch, "1GiB", precision="fp32", device_type="cpu")
+    candidates = rank(make_estimator(model, bert_batch, device_type="cpu"), bert_batch, "1GiB",
+                      space=Space("fp32"))
     # the whole batch fits; no offload offered; the user's reshard_after_forward=False, explicit
     assert [c.plan for c in candidates] == [Plan(8, reshard_after_forward=False)]
     assert candidates[0].estimate.peak_bytes == estimate_sharded(
@@ -122,7 +124,7 @@ def test_bad_sharding_says_the_value(kwargs, message):
 @needs_fsdp2_runs
 def test_unknown_units_and_offload_plans_are_refused(tiny_bert, bert_batch):
     with pytest.raises(ValueError, match=r"units \['bert.nope'\] are not modules of BertFor"):
-        estimate_sharded(tiny_bert, 2, Plan(4), bert_batch, units=["bert.nope"])
+        estimate_sharded(tiny_bert, Sharding.read(tiny_bert, 2, units=["bert.nope"]), Plan(4), bert_batch)
     with pytest.raises(ValueError, match="offload_optimizer is not a plan for a sharded model"):
         estimate_sharded(tiny_bert, 2, Plan(4, offload_optimizer=True), bert_batch)
 
@@ -144,8 +146,8 @@ def test_more_ranks_hold_less_and_the_model_is_left_as_it_was(tiny_bert, bert_ba
 def test_gathered_parameters_are_params_in_the_breakdown(tiny_bert, bert_batch):
     plan = Plan(len(bert_batch["input_ids"]))
     resharded = estimate_sharded(tiny_bert, 2, plan, bert_batch, device_type="cpu")
-    kept = estimate_sharded(tiny_bert, 2, plan, bert_batch, reshard_after_forward=False,
-                            device_type="cpu")
+    kept = estimate_sharded(tiny_bert, Sharding.read(tiny_bert, 2, reshard_after_forward=False), plan,
+                            bert_batch, device_type="cpu")
     for est in (resharded, kept):
         assert sum(est.breakdown.values()) == est.peak_bytes
     # at the peak (forward's end) the gathered units are held beside the shards: more of them kept

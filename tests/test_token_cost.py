@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autofit.engine.batches import tokens_per_row
-from autofit.estimator.capacity import choose, rank
+from autofit.estimator.capacity import choose, make_estimator, rank
 from autofit.estimator.cost import BUSY_TOKENS, candidate_plans, plan_cost
 from autofit.estimator.estimate import estimate
 from autofit.plans.plan import Plan
@@ -69,5 +69,5 @@ def test_rank_keeps_exact_math_by_accumulating_long_rows():
              for m, p in ((8, "fp32"), (4, "fp32"), (8, "bf16"))}
     budget = max(peaks[4, "fp32"], peaks[8, "bf16"])
     assert budget < peaks[8, "fp32"]
-    chosen = choose(rank(model, batch, budget, device_type="cpu")).plan
+    chosen = choose(rank(make_estimator(model, batch, device_type="cpu"), batch, budget)).plan
     assert (chosen.micro_batch_size, chosen.accumulation_steps, chosen.precision) == (4, 2, "fp32")

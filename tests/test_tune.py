@@ -138,8 +138,8 @@ def _optimistic_start(monkeypatch):
     """The estimator "thinks" the whole batch fits (it still runs, as tune would run it)."""
     real = throughput.estimated_start
 
-    def optimistic(model, batch, *args):
-        real(model, batch, *args)
+    def optimistic(*args):
+        real(*args)
         return Plan(ROWS), "estimated (patched)"
     monkeypatch.setattr(throughput, "estimated_start", optimistic)
 

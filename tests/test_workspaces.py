@@ -176,15 +176,15 @@ class TensorsOnly:
 
 
 def test_what_an_estimator_does_not_hold_is_kept_back_from_the_budget():
-    from autofit.estimator.capacity import choose, rank, unplaced
+    from autofit.estimator.capacity import Fit, Space, choose, rank, unplaced
     holder = type("Holder", (), {"workspaces": HOPPER})()
     assert unplaced(TensorsOnly(), HOPPER, "reserved") == 66 * MiB  # two 32 MiB segments, cuBLASLt's 2 MiB
     assert unplaced(TensorsOnly(), HOPPER, "allocated") == 65 * MiB
     assert unplaced(holder, HOPPER, "reserved") == 0 and unplaced(TensorsOnly(), None, "reserved") == 0
     # 96 MiB less the 66 MiB the estimates lack: 30 MiB, where 10 + 16 rows fit (the whole batch).
-    chosen = choose(rank(None, torch.zeros(16, 2), 96 * MiB, precision="fp32", caps="reserved",
-                         allow_offload=False, estimator=TensorsOnly(), workspaces=HOPPER))
+    chosen = choose(rank(TensorsOnly(), torch.zeros(16, 2), 96 * MiB, fit=Fit(caps="reserved", workspaces=HOPPER),
+                         space=Space("fp32", allow_offload=False)))
     assert chosen.plan.micro_batch_size == 16
-    chosen = choose(rank(None, torch.zeros(16, 2), 84 * MiB, precision="fp32", caps="reserved",
-                         allow_offload=False, estimator=TensorsOnly(), workspaces=HOPPER))
+    chosen = choose(rank(TensorsOnly(), torch.zeros(16, 2), 84 * MiB, fit=Fit(caps="reserved", workspaces=HOPPER),
+                         space=Space("fp32", allow_offload=False)))
     assert chosen.plan.micro_batch_size == 8  # 18 MiB left: 10 + 8 (micro_batch_sizes(16): 16, 8, 6, ...)

@@ -75,9 +75,11 @@ def cmd_probe(args) -> int:
     try:
         with models.quiet_transformers():  # "use_cache=True is incompatible with checkpointing"...
             # A card's limit caps what the caching allocator reserves: the reserved peak decides.
-            candidates = capacity.rank(model, batch, budget, precision=args.precision, caps="reserved",
-                                       reserve=kept, device_type="cuda",
-                                       optimizer=optimizer, workspaces=workspaces)
+            estimator = capacity.make_estimator(model, batch, optimizer, device_type="cuda",
+                                                workspaces=workspaces)
+            candidates = capacity.rank(estimator, batch, budget,
+                                       fit=capacity.Fit(caps="reserved", reserve=kept, workspaces=workspaces),
+                                       space=capacity.Space(args.precision))
     except Exception as e:  # the model cannot take its batch, or the estimator cannot follow it
         reason = _why_not_estimated(e, args, spec, model, batch, described, optimizer)
         return _cannot_estimate(args, _no_plan(header, reason))

@@ -8,7 +8,7 @@ fastest first (by the cost model of `autofit.estimator.cost`); `choose` takes th
 
 Fits
 ----
-A plan fits when its predicted peak, times the calibration, is within the budget less a reserve:
+A plan fits (`Fit`) when its predicted peak, times the calibration, is within the budget less a reserve:
 the peak the budget caps — `caps="reserved"` (a card, whose memory limit caps what the caching
 allocator reserves) compares the estimate's reserved peak, `caps="allocated"` (a budget on live
 tensor bytes) its allocated peak — so the check compares like with like; the estimates hold the
@@ -48,6 +48,7 @@ from autofit.estimator.sharded import ShardedEstimator, sharding_of
 from autofit.plans.sizelog import config_of
 from autofit.sizes import format_breakdown
 from autofit.gpu.oom import summarize
+from autofit.gpu.workspaces import Workspaces
 from autofit.plans import precision as precisions
 from autofit.plans.plan import Plan
 from autofit.plans.precision import get as get_precision
@@ -61,8 +62,7 @@ CAPS = ("allocated", "reserved")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plan with its estimate; `fits` against the budget `rank` was given (caps, reserve,
-    calibration)."""
+    """A plan with its estimate; `fits` against the budget `rank` was given, as its `Fit` judges."""
 
     plan: Plan
     estimate: MemoryEstimate
@@ -114,136 +114,192 @@ def usable_bytes(budget: int, *, margin: float = 1.0, reserve: int = 0) -> float
     return (budget - reserve) * margin
 
 
-def rank(model, batch, budget, *, precision: str = precisions.AUTO, optimizer=None, loss_fn=None,
-         margin: float = 1.0, caps: str = "allocated", reserve: int = 0,
-         device_type: str = "cuda", calibration: float = 1.0,
-         max_estimates: int | None = None, bf16_supported: bool = True,
-         allow_offload: bool = True, estimator: Estimator | None = None,
-         sharding=None, workspaces=None) -> list[Candidate]:
-    """Estimate plans for one global `batch` against `budget` bytes; the candidates, fastest first.
+@dataclass(frozen=True)
+class Fit:
+    """How a candidate is judged against the budget: it fits when
+    `estimate.peak(caps) * calibration <= (budget - reserve) * margin`. `caps` is the peak the
+    budget limits ("allocated" or "reserved"), `reserve` bytes are kept for what no estimate sees,
+    `calibration` is a factor for what the estimate misses (measured peak / predicted, see
+    autofit.estimator.guide), `margin` an extra share to keep free (1: none). `workspaces`
+    (autofit.gpu.workspaces, `headroom`'s): the device's own bytes, in every estimate; an estimator
+    that does not hold them (a sharded one) has them kept back from the budget instead."""
 
-    A candidate fits when `estimate.peak(caps) * calibration <= (budget - reserve) * margin`:
-    `caps` is the peak the budget limits ("allocated" or "reserved"), `reserve` bytes are kept for
-    what no estimate sees, `calibration` is a factor for what the estimate misses (measured peak /
-    predicted, see autofit.estimator.guide), `margin` an extra share to keep free (1: none). Only the
-    plans the search needed are estimated (see the module docstring); `max_estimates` caps them.
-    When no plan fits, the most frugal plan is estimated all the same, so `needs_message` can say
-    why. `estimator`: an `Estimator` of this model and batch to reuse (made here when None, by
-    `make_estimator`). `sharding` (autofit.estimator.sharded.Sharding; read from a model sharded with
-    FSDP2): the plans are priced for one rank, `batch` being its share of the global batch.
-    `workspaces` (autofit.gpu.workspaces, `headroom`'s): the device's own bytes, in every estimate.
+    margin: float = 1.0
+    caps: str = "allocated"
+    reserve: int = 0
+    calibration: float = 1.0
+    workspaces: Workspaces | None = None
+
+    def __post_init__(self):
+        margin, caps, reserve, calibration = self.margin, self.caps, self.reserve, self.calibration
+        if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
+            raise ValueError(f"margin must be in (0, 1] but got {margin!r}; 1 keeps nothing back beyond "
+                             f"the reserve.")
+        if caps not in CAPS:
+            raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}: the peak the "
+                             f"budget limits.")
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"reserve must be a non-negative int of bytes but got {reserve!r}.")
+        if not (isinstance(calibration, (int, float)) and calibration > 0):
+            raise ValueError(f"calibration must be a positive number but got {calibration!r}.")
+
+    def usable(self, budget: int, estimator) -> float:
+        """The bytes a plan's peak (times the calibration) may take of `budget`, less the device's
+        own bytes that `estimator`'s estimates do not hold."""
+        reserve = self.reserve + unplaced(estimator, self.workspaces, self.caps)
+        return usable_bytes(budget, margin=self.margin, reserve=reserve)
+
+
+@dataclass(frozen=True)
+class Space:
+    """Which plans `rank` searches: those of the `precision` policy (bf16 only where
+    `bf16_supported`), offloading the optimizer only where `allow_offload`; `max_estimates` caps the
+    estimates the search may make (None: no cap)."""
+
+    precision: str = precisions.AUTO
+    bf16_supported: bool = True
+    allow_offload: bool = True
+    max_estimates: int | None = None
+
+    def __post_init__(self):
+        precisions.check_policy(self.precision)  # a bad precision fails before any work
+        if self.max_estimates is not None and (isinstance(self.max_estimates, bool)
+                                               or not isinstance(self.max_estimates, int)
+                                               or self.max_estimates < 1):
+            raise ValueError(f"max_estimates must be a positive int or None but got {self.max_estimates!r}.")
+
+    def plans(self, estimator, batch) -> list[Plan]:
+        """The candidate plans for one global `batch` that `estimator` prices."""
+        allow_offload, reshard = self.allow_offload, (None,)
+        if isinstance(estimator, ShardedEstimator):
+            allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
+            reshard = estimator.reshard_choices
+        return candidate_plans(rows_of(batch), self.precision, bf16_supported=self.bf16_supported,
+                               allow_offload=allow_offload,
+                               checkpointing=Checkpointing(estimator.model).available, reshard=reshard,
+                               tokens_per_row=tokens_per_row(batch))
+
+
+def rank(estimator, batch, budget, *, fit: Fit = Fit(), space: Space = Space()) -> list[Candidate]:
+    """Estimate the plans of `space` for one global `batch` against `budget` bytes, judged as `fit`
+    says; the candidates, fastest first.
+
+    `estimator`: an `Estimator` of this model and batch (`make_estimator`; one rank's for a model
+    sharded with FSDP2, `batch` then being its share of the global batch). Only the plans the
+    search needed are estimated (see the module docstring); `space.max_estimates` caps them. When no
+    plan fits, the most frugal plan is estimated all the same, so `needs_message` can say why.
     """
     budget = parse_size(budget)
-    precisions.check_policy(precision)  # a bad precision fails before any work
-    _check_fit_options(margin, caps, reserve, calibration)
-    if max_estimates is not None and (isinstance(max_estimates, bool) or not isinstance(max_estimates, int)
-                                      or max_estimates < 1):
-        raise ValueError(f"max_estimates must be a positive int or None but got {max_estimates!r}.")
-    global_batch = rows_of(batch)
-    tokens = tokens_per_row(batch)  # token batches are weighed by their tokens (estimator/cost)
-    if estimator is None:
-        estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
-                                   sharding=sharding, workspaces=workspaces)
-    reshard = (None,)
-    if isinstance(estimator, ShardedEstimator):
-        allow_offload = False  # FSDP2 offloads with CPUOffloadPolicy, not autofit's optimizer offload
-        reshard = _reshard_choices(model, estimator.sharding)
-    plans = candidate_plans(global_batch, precision, bf16_supported=bf16_supported,
-                            allow_offload=allow_offload,
-                            checkpointing=Checkpointing(estimator.model).available, reshard=reshard,
-                            tokens_per_row=tokens)
-    usable = usable_bytes(budget, margin=margin, reserve=reserve + unplaced(estimator, workspaces, caps))
-    limit = usable / calibration
-    measured: dict[Plan, Candidate] = {}
-
-    dropped: dict[tuple, str] = {}  # configurations whose move cannot run: {config: the error}
-
-    def measure(plan: Plan) -> Candidate:
-        if config_of(plan) in dropped:
-            raise _Dropped
-        if plan not in measured:
-            if max_estimates is not None and len(measured) >= max_estimates:
-                raise _OutOfEstimates
-            try:
-                est = estimator.measure(plan)
-            except Exception as error:
-                plain = plan.plain()
-                if plain == plan:
-                    raise  # the plain plan's own error is the job's (the check falls back)
-                measure(plain)  # raises when the plain plan fails too: then it is the job's error
-                dropped[config_of(plan)] = f"{type(error).__name__}: {summarize(error)}"
-                log.warning("estimating %s raised %s, which %s did not; plans like it are left out of the "
-                            "capacity check", plan.describe(), dropped[config_of(plan)], plain.describe())
-                raise _Dropped from None
-            capped_of = getattr(estimator, "capped", None)  # None: an estimator with no record
-            if caps == "reserved" and capped_of is not None and est.peak_bytes <= limit < est.peak("reserved"):
-                # Live bytes fit, the unbounded reserved peak does not: a card's allocator releases
-                # its cached segments at the cap and retries. The step's allocations replayed under
-                # the cap decide; a plan that fits reports the capped peak.
-                capped = capped_of(plan, int(limit))
-                est = capped if capped.peak("reserved") <= limit else est
-            measured[plan] = Candidate(plan, est, est.peak(caps) * calibration <= usable,
-                                       plan_cost(plan, global_batch, tokens))
-        return measured[plan]
-
-    def fits(plan: Plan) -> bool:
-        try:
-            return measure(plan).fits
-        except _Dropped:
-            return False
-
-    configs: dict[tuple, list[Plan]] = {}
-    for plan in plans:
-        configs.setdefault(config_of(plan), []).append(plan)
-
-    def floor(offloaded: bool) -> int:
-        return _floor(estimator.resident, measured.values(), offloaded)
-
-    best = math.inf
+    plans = space.plans(estimator, batch)
+    search = _Search(estimator, batch, budget, fit, space.max_estimates)
     # The plans searched share most of their ops' shapes: one dispatch cache for all of them.
     sharing = getattr(estimator, "sharing_dispatch_cache", None)
     with sharing() if sharing is not None else contextlib.nullcontext():
         try:
-            frugal = _most_frugal(plans)
-            if floor(frugal.offload_optimizer) > limit:
-                fits(frugal)  # nothing fits; one estimate says with what
-                return _sorted(measured, plans)
-            if floor(frugal.offload_optimizer) > TIGHT * limit:
-                # Little room beyond what every plan holds: first see whether the most frugal plans
-                # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
-                tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
-                         and p.micro_batch_size == frugal.micro_batch_size]
-                if not any(fits(p) for p in tight):
-                    return _sorted(measured, plans)
-            # Visit configurations by their best possible cost (their largest micro-batch).
-            for _, group in sorted(configs.items(), key=lambda kv: plan_cost(kv[1][0], global_batch, tokens)):
-                group = sorted(group, key=lambda p: -p.micro_batch_size)
-                group = [p for p in group if plan_cost(p, global_batch, tokens) < best]
-                if group:
-                    try:
-                        found = _largest_fitting(group, measure, limit,
-                                                 functools.partial(floor, group[0].offload_optimizer), caps)
-                    except _Dropped:
-                        continue  # a configuration whose move cannot run: the others are searched
-                    if found is not None:
-                        best = min(best, plan_cost(found, global_batch, tokens))
-            if not any(c.fits for c in measured.values()) and plans:
-                fits(frugal)
+            search.run(plans)
         except _OutOfEstimates:
             pass
-        finally:
-            measure = None  # it calls itself: its closure would hold the estimator (and batch) in a cycle
-    return _sorted(measured, plans)
+    return _sorted(search.measured, plans)
 
 
-def _reshard_choices(model, sharding) -> tuple[bool, ...]:
-    """FSDP2's reshard_after_forward values to price: those a run may use on `model` when it is
-    sharded (autofit.distributed.fsdp.reshard_choices: never more than the user chose), else
-    keeping gathered parameters only when `sharding` says so."""
-    from autofit.distributed.fsdp import is_sharded, reshard_choices
-    if is_sharded(model):
-        return reshard_choices(model)
-    return (False, True) if not sharding.reshard_after_forward else (True,)
+class _Search:
+    """One `rank`'s search: the candidates measured so far and the configurations dropped.
+
+    An object, not nested closures: `measure` calls itself, and a closure that does holds the
+    estimator (and batch) in a reference cycle."""
+
+    def __init__(self, estimator, batch, budget: int, fit: Fit, max_estimates: int | None):
+        self.estimator, self.fit, self.max_estimates = estimator, fit, max_estimates
+        self.usable = fit.usable(budget, estimator)
+        self.limit = self.usable / fit.calibration
+        self.rows, self.tokens = rows_of(batch), tokens_per_row(batch)  # token batches weigh their tokens
+        self.measured: dict[Plan, Candidate] = {}
+        self.dropped: dict[tuple, str] = {}  # configurations whose move cannot run: {config: the error}
+
+    def cost(self, plan: Plan) -> float:
+        return plan_cost(plan, self.rows, self.tokens)
+
+    def measure(self, plan: Plan) -> Candidate:
+        """`plan`'s candidate, estimated once (_Dropped: its configuration cannot run)."""
+        if config_of(plan) in self.dropped:
+            raise _Dropped
+        if plan not in self.measured:
+            if self.max_estimates is not None and len(self.measured) >= self.max_estimates:
+                raise _OutOfEstimates
+            est = self._capped(plan, self._estimate(plan))
+            fits = est.peak(self.fit.caps) * self.fit.calibration <= self.usable
+            self.measured[plan] = Candidate(plan, est, fits, self.cost(plan))
+        return self.measured[plan]
+
+    def fits(self, plan: Plan) -> bool:
+        try:
+            return self.measure(plan).fits
+        except _Dropped:
+            return False
+
+    def floor(self, offloaded: bool) -> int:
+        return _floor(self.estimator.resident, self.measured.values(), offloaded)
+
+    def _estimate(self, plan: Plan) -> MemoryEstimate:
+        """The estimator's estimate; _Dropped when it raises an error the plain plan does not."""
+        try:
+            return self.estimator.measure(plan)
+        except Exception as error:
+            plain = plan.plain()
+            if plain == plan:
+                raise  # the plain plan's own error is the job's (the check falls back)
+            self.measure(plain)  # raises when the plain plan fails too: then it is the job's error
+            self.dropped[config_of(plan)] = f"{type(error).__name__}: {summarize(error)}"
+            log.warning("estimating %s raised %s, which %s did not; plans like it are left out of the "
+                        "capacity check", plan.describe(), self.dropped[config_of(plan)], plain.describe())
+            raise _Dropped from None
+
+    def _capped(self, plan: Plan, est: MemoryEstimate) -> MemoryEstimate:
+        capped_of = getattr(self.estimator, "capped", None)  # None: an estimator with no record
+        if self.fit.caps == "reserved" and capped_of is not None \
+                and est.peak_bytes <= self.limit < est.peak("reserved"):
+            # Live bytes fit, the unbounded reserved peak does not: a card's allocator releases
+            # its cached segments at the cap and retries. The step's allocations replayed under
+            # the cap decide; a plan that fits reports the capped peak.
+            capped = capped_of(plan, int(self.limit))
+            return capped if capped.peak("reserved") <= self.limit else est
+        return est
+
+    def run(self, plans: list[Plan]) -> None:
+        """Measure what the search needs (_OutOfEstimates: `max_estimates` ran out)."""
+        frugal = _most_frugal(plans)
+        if self.floor(frugal.offload_optimizer) > self.limit:
+            self.fits(frugal)  # nothing fits; one estimate says with what
+            return
+        if self.floor(frugal.offload_optimizer) > TIGHT * self.limit:
+            # Little room beyond what every plan holds: first see whether the most frugal plans
+            # (one row per micro-batch, checkpointing, offload; each precision) fit at all.
+            tight = [p for p in plans if config_of(p)[1:] == config_of(frugal)[1:]
+                     and p.micro_batch_size == frugal.micro_batch_size]
+            if not any(self.fits(p) for p in tight):
+                return
+        self._by_configuration(plans)
+        if not any(c.fits for c in self.measured.values()) and plans:
+            self.fits(frugal)
+
+    def _by_configuration(self, plans: list[Plan]) -> None:
+        """Visit configurations by their best possible cost (their largest micro-batch), each
+        searched for its largest fitting micro-batch among those that could beat the best so far."""
+        configs: dict[tuple, list[Plan]] = {}
+        for plan in plans:
+            configs.setdefault(config_of(plan), []).append(plan)
+        best = math.inf
+        for _, group in sorted(configs.items(), key=lambda kv: self.cost(kv[1][0])):
+            group = [p for p in sorted(group, key=lambda p: -p.micro_batch_size) if self.cost(p) < best]
+            if not group:
+                continue
+            try:
+                found = _largest_fitting(group, self.measure, self.limit,
+                                         functools.partial(self.floor, group[0].offload_optimizer), self.fit.caps)
+            except _Dropped:
+                continue  # a configuration whose move cannot run: the others are searched
+            if found is not None:
+                best = min(best, self.cost(found))
 
 
 def _sorted(measured: dict, plans: list[Plan]) -> list[Candidate]:
@@ -267,19 +323,6 @@ def _most_frugal(plans: list[Plan]) -> Plan:
     return min(plans, key=lambda p: (p.micro_batch_size, not p.offload_optimizer, not p.checkpointing,
                                      not get_precision(p.precision).mixed,
                                      p.reshard_after_forward is False, not p.reduce_each_micro_batch))
-
-
-def _check_fit_options(margin, caps, reserve, calibration) -> None:
-    if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
-        raise ValueError(f"margin must be in (0, 1] but got {margin!r}; 1 keeps nothing back beyond "
-                         f"the reserve.")
-    if caps not in CAPS:
-        raise ValueError(f"caps must be one of {', '.join(CAPS)} but got {caps!r}: the peak the "
-                         f"budget limits.")
-    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-        raise ValueError(f"reserve must be a non-negative int of bytes but got {reserve!r}.")
-    if not (isinstance(calibration, (int, float)) and calibration > 0):
-        raise ValueError(f"calibration must be a positive number but got {calibration!r}.")
 
 
 def _largest_fitting(group: list[Plan], measure, limit: float, floor, caps: str = "allocated") -> Plan | None:

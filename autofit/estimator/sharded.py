@@ -91,6 +91,22 @@ class Sharding:
             raise ValueError(f"param_dtype must be one of {', '.join(precisions.names())} or None but got "
                              f"{self.param_dtype!r}.")
 
+    @classmethod
+    def read(cls, model, world_size: int, *, reshard_after_forward: bool | None = None,
+             param_dtype: str | None = None, units=None, reduce_each_micro_batch: bool = False) -> "Sharding":
+        """How `model` is sharded (`sharding_of`: its units and settings, when `fully_shard` sharded
+        it; else the defaults, its blocks and the root becoming units), over `world_size` ranks;
+        `reshard_after_forward`, `param_dtype` and `units` given override what was read, and
+        `reduce_each_micro_batch` says how micro-batches accumulate."""
+        read = sharding_of(model)
+        return cls(
+            world_size,
+            reshard_after_forward=(reshard_after_forward if reshard_after_forward is not None
+                                   else read.reshard_after_forward if read else True),
+            param_dtype=param_dtype if param_dtype is not None else read.param_dtype if read else None,
+            units=tuple(units) if units is not None else read.units if read else None,
+            reduce_each_micro_batch=reduce_each_micro_batch)
+
     def describe(self) -> str:
         parts = [f"FSDP2 over {self.world_size} ranks"]
         if not self.reshard_after_forward:
@@ -292,6 +308,7 @@ class ShardedEstimator(Walker):
             self.batch = _map_tensors(batch, fake_like)
         self.optimizer_name = type(self.optimizer).__name__
         self.resident = self._resident()
+        self.reshard_choices = _reshard_choices(model, sharding)  # the capacity check's to price
 
     def _tag_kinds(self) -> None:
         """What FSDP2 allocates is counted by kind, in the breakdown: a unit's all-gather and its
@@ -367,6 +384,16 @@ def reshard_measured(estimator, plan: Plan):
     return estimator.sharding.reshard_after_forward
 
 
+def _reshard_choices(model, sharding: Sharding) -> tuple[bool, ...]:
+    """FSDP2's reshard_after_forward values to price: those a run may use on `model` when it is
+    sharded (autofit.distributed.fsdp.reshard_choices: never more than the user chose), else
+    keeping gathered parameters only when `sharding` says so."""
+    from autofit.distributed.fsdp import is_sharded, reshard_choices
+    if is_sharded(model):
+        return reshard_choices(model)
+    return (False, True) if not sharding.reshard_after_forward else (True,)
+
+
 def reduce_each_measured(estimator, plan: Plan) -> bool:
     """reduce_each_micro_batch in an estimate (plans/switches.py `estimate`): on when the plan or
     the Sharding says so."""
@@ -374,27 +401,19 @@ def reduce_each_measured(estimator, plan: Plan) -> bool:
     return plan.reduce_each_micro_batch or (sharding is not None and sharding.reduce_each_micro_batch)
 
 
-def estimate_sharded(model, world_size: int, plan: Plan, batch, *, reshard_after_forward=None,
-                     param_dtype=None, units=None, reduce_each_micro_batch: bool = False,
-                     optimizer=None, loss_fn=None, device_type: str = "cuda") -> MemoryEstimate:
-    """Predict one rank's peak device memory for a training step of `model` sharded with FSDP2 over
-    `world_size` ranks, on this rank's `batch` under `plan`.
+def estimate_sharded(model, sharding: Sharding | int, plan: Plan, batch, *, optimizer=None, loss_fn=None,
+                     device_type: str = "cuda") -> MemoryEstimate:
+    """Predict one rank's peak device memory for a training step of `model` sharded with FSDP2 as
+    `sharding` says, on this rank's `batch` under `plan`.
 
-    `model` may be sharded already (`fully_shard`: its units and settings are read from it) or
-    not (its blocks and the root become units). `reshard_after_forward`, `param_dtype` and `units`
-    override what was read; `reduce_each_micro_batch` says how micro-batches accumulate (see
-    `Sharding`); `optimizer` and `loss_fn` as in `autofit.estimate`. Nothing of the
-    caller's is changed, its process group (if any) included.
+    `sharding`: a `Sharding`, or the world size, the settings then read from `model`
+    (`Sharding.read`: from a model sharded already with `fully_shard`, else its blocks and the root
+    become units); `optimizer` and `loss_fn` as in `autofit.estimate`. Nothing of the caller's is
+    changed, its process group (if any) included.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autofit.Plan but got {type(plan).__name__}.")
-    read = sharding_of(model)
-    sharding = Sharding(
-        world_size,
-        reshard_after_forward=(reshard_after_forward if reshard_after_forward is not None
-                               else read.reshard_after_forward if read else True),
-        param_dtype=param_dtype if param_dtype is not None else read.param_dtype if read else None,
-        units=tuple(units) if units is not None else read.units if read else None,
-        reduce_each_micro_batch=reduce_each_micro_batch)
+    if not isinstance(sharding, Sharding):
+        sharding = Sharding.read(model, sharding)
     return ShardedEstimator(model, batch, sharding, optimizer, loss_fn,
                             device_type=device_type).measure(plan)

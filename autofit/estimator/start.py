@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import (choose, leanest, make_estimator, needs_message, no_offload, rank, unplaced,
+from autofit.estimator.capacity import (Fit, Space, choose, leanest, make_estimator, needs_message, no_offload, rank,
                                         usable_bytes)
 from autofit.estimator.estimate import own_reserved
 from autofit.estimator.guide import Guide
@@ -58,7 +59,7 @@ def budget_caps(device) -> str:
 
 
 def headroom(device, model=None) -> dict:
-    """`rank`'s keywords for comparing an estimate with this device's budget: which peak, the
+    """`Fit`'s fields for comparing an estimate with this device's budget: which peak, the
     device's own bytes the estimates hold (`workspaces`: None where it has none), and the bytes kept
     back for what no estimate places (cuDNN's workspaces for `model`'s convolutions; for any model
     when `model` is None)."""
@@ -97,13 +98,13 @@ def longest_batch(data, first):
     return max(data, key=elements)
 
 
-def _first_whole_fitting(plans, estimator, budget, room, calibration):
-    """(plan, reason) for the first of `plans` predicted to fit `budget` (as `headroom` compares
-    them), or None."""
-    usable = usable_bytes(budget, reserve=room["reserve"])
+def _first_whole_fitting(plans, estimator, budget, fit: Fit):
+    """(plan, reason) for the first of `plans` predicted to fit `budget` (as `fit` judges them), or
+    None."""
+    usable = fit.usable(budget, estimator)
     for plan in plans:
-        peak = estimator.measure(plan).peak(room["caps"])
-        if peak * calibration <= usable:
+        peak = estimator.measure(plan).peak(fit.caps)
+        if peak * fit.calibration <= usable:
             reason = (f"estimated: the first whole-batch plan of the ladder predicted to fit (peak "
                       f"{format_size(peak)} of {format_size(budget)}); batch-coupled layers keep the "
                       f"batch whole first")
@@ -118,30 +119,42 @@ def cannot_estimate(model, error: BaseException, instead: str) -> None:
                 one_line(error), instead)
 
 
-def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, sizes, coupling=None,
+@dataclass(frozen=True)
+class TrainingStep:
+    """The training step a capacity check prices: `model` on one global `batch`, with its
+    `optimizer` and `loss_fn` as `autofit.estimate` takes them."""
+
+    model: object
+    batch: object
+    optimizer: object = None
+    loss_fn: object = None
+
+
+def estimated_start(step: TrainingStep, device, precision: str, sizes, *, coupling=None,
                     guide: Guide | None = None):
-    """(plan, reason) from the capacity check, None when there is nothing to check against; the
-    sizes predicted not to fit are recorded in `sizes` (a SizeLog). With `coupling` (a
-    plans.coupling.Coupling) that keeps the batch whole first, the start is the first whole-batch
-    plan of its ladder predicted to fit; the fastest plan of all only when none does. `guide`
-    (from `make_guide`) gives the calibration and keeps the estimator for the run's upward search."""
+    """(plan, reason) from the capacity check of `step` on `device`, None when there is nothing to
+    check against; the sizes predicted not to fit are recorded in `sizes` (a SizeLog). With
+    `coupling` (a plans.coupling.Coupling) that keeps the batch whole first, the start is the first
+    whole-batch plan of its ladder predicted to fit; the fastest plan of all only when none does.
+    `guide` (from `make_guide`) gives the calibration and keeps the estimator for the run's upward
+    search."""
     budget = tensor_budget(device)
     if budget is None:
         return None
+    model, batch = step.model, step.batch
     device_type = "cuda" if device.type == "cuda" else "cpu"
     room = headroom(device, model)
     calibration = 1.0 if guide is None else guide.calibration
     whole = [] if coupling is None else \
         [p for p in coupling.whole_plans(rows_of(batch), precision, device.supports_bf16())
-         if not_applicable(p, model, optimizer, device) is None]
+         if not_applicable(p, model, step.optimizer, device) is None]
     try:
         with rng_untouched(model):  # fake-tensor work must not move the RNG the first step draws from
-            estimator = make_estimator(model, batch, optimizer, loss_fn, device_type=device_type,
+            estimator = make_estimator(model, batch, step.optimizer, step.loss_fn, device_type=device_type,
                                        workspaces=room["workspaces"])
-            # (rank keeps back itself what a sharded estimate does not hold: see capacity.unplaced)
-            unheld = unplaced(estimator, room["workspaces"], room["caps"])
-            whole_room = dict(room, reserve=room["reserve"] + unheld)
-            kept = _first_whole_fitting(whole, estimator, budget, whole_room, calibration)
+            # (the fit keeps back what a sharded estimate does not hold: see capacity.unplaced)
+            fit = Fit(calibration=calibration, **room)
+            kept = _first_whole_fitting(whole, estimator, budget, fit)
             if kept is not None:
                 sizes.record(kept[0], ok=True, length=row_elements(batch))
                 return kept
@@ -149,9 +162,8 @@ def estimated_start(model, batch, optimizer, loss_fn, device, precision: str, si
                 log.info("capacity check: no whole-batch plan predicted to fit, and allow_split=False "
                          "forbids splitting; starting from the whole batch, the ladder tries each whole plan")
                 return None
-            candidates = rank(model, batch, budget, precision=precision, optimizer=optimizer,
-                              loss_fn=loss_fn, device_type=device_type, calibration=calibration,
-                              bf16_supported=device.supports_bf16(), estimator=estimator, **room)
+            candidates = rank(estimator, batch, budget, fit=fit,
+                              space=Space(precision, bf16_supported=device.supports_bf16()))
     except Exception as error:  # the check is optional: an estimator failure never stops a run
         cannot_estimate(model, error, "starting from the whole global batch; the ladder finds the plan")
         return None

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import itertools
 
-from autofit.estimator.walk import SCALER_BYTES, MemoryEstimate, Walker
+from autofit.estimator.walk import MemoryEstimate, Walker, scaler_bytes
 from autofit.estimator.repeated import repeated_blocks
 from autofit.estimator.traced import Untileable, _CutEstimator
 from autofit.errors import AllocationFailed
 from autofit.gpu.allocator import CachingAllocator, round_size, segment_size
 from autofit.gpu.memory import KINDS
-from autofit.plans import precision as precisions
 
 CUT, CHECK = 3, 4  # blocks walked: first, middle, last; and one more middle block for the check
 MIDDLE = 2
@@ -230,7 +229,7 @@ class Repeated:
         if self.checked.get(kind) is False:
             return None
         # What an estimate adds to its walk's peak (GradScaler's two scalars, for fp16).
-        extra = SCALER_BYTES if precisions.get(plan.precision).needs_scaler else 0
+        extra = scaler_bytes(plan)
         try:
             if plan.checkpointing and not self._checkpoints_the_blocks():
                 raise Untileable("checkpointing would wrap other modules in the cut copy")

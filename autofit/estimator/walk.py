@@ -587,7 +587,7 @@ class Walker:
         events = None if then is None or first is None else first_then(first, then)
         if events is None:
             return None
-        extra = SCALER_BYTES if precisions.get(plan.precision).needs_scaler else 0
+        extra = scaler_bytes(plan)
         estimate = dataclasses.replace(then.estimate, reserved_bytes=replay_capped(events, None)[0] + extra)
         self._record((plan, after), estimate, lambda limit: replay_capped(events, limit), extra)
         return estimate
@@ -653,13 +653,10 @@ class Walker:
         batch, where a walk without `after` runs one micro-batch on gradients made beforehand."""
         meter = self._new_meter()
         device = self._device(meter)
-        numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
-        run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
         # With accumulation, every micro-batch after the first holds what the first held plus all
         # the gradients (and the loss total so far), and they are alike: one full micro-batch run
         # on existing gradients measures the peak of them all.
         batch, accumulates = self._measured(plan) if after is None and not whole else (self.batch, False)
-        params = list(self.model.parameters()) + list(self.model.buffers())
         # Offload's own reading (not the registry's): the offloaded step keeps its state on the host.
         state = [] if plan.offload_optimizer else self._state()
         hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.retag([p.grad], "grads"))
@@ -670,51 +667,79 @@ class Walker:
         try:
             with self.mode, attention, self._counting_mode(meter), \
                     _step_hooks(self.optimizer, device, self._before_step, [meter.step_ends]):
-                with meter.as_kind("params"):
-                    meter.track(params)
-                laid = meter.laid()
-                if after is None:
-                    with meter.as_kind("optimizer"):
-                        meter.track(state)
-                else:
-                    self._first_step(meter, device, after, state)
-                meter.laid_out = (laid, meter.laid())
-                meter.tracked()
+                self._lay_out(meter, device, state, after)
                 if accumulates:
-                    with meter.as_kind("grads"), torch.no_grad():
-                        for p in _unique(self.model.parameters()):
-                            if p.requires_grad:
-                                p.grad = torch.zeros_like(p)
-                    with meter.as_kind("other"):
-                        meter.carried = torch.zeros((), device="cpu")  # the loss total so far
-                runner = self._runner(device)
-                meter.start()
-                try:
-                    runner.run(batch, run_plan)
-                    # Read before close(): bringing offloaded state back is the end of a run.
-                    peak, breakdown, step = meter.top, dict(meter.top_breakdown), meter.step_top
-                    reserved = meter.allocator.max_reserved
-                    meter.finish()
-                    self.last_meter = meter  # what autofit.estimator.sampled extrapolates
-                finally:
-                    runner.close()
+                    self._accumulated(meter)
+                estimate = self._run(meter, device, plan, batch)
         finally:
             for h in hooks:
                 h.remove()
             self.optimizer.zero_grad(set_to_none=True)
-        extra = SCALER_BYTES if numerics.needs_scaler else 0
-        # GradScaler's scalars: two small-pool blocks; at most one more 2 MiB segment.
-        peak, reserved = peak + extra, reserved + extra
-        breakdown["other"] += extra
-        estimate = MemoryEstimate(plan=plan, peak_bytes=peak, breakdown=breakdown,
-                                  device_type=self.device_type, resident=dict(self.resident),
-                                  step_bytes=step, reserved_bytes=reserved,
-                                  optimizer=self.optimizer_name)
+        estimate = _with_scaler(estimate)
         if isinstance(meter.allocator, RecordingAllocator):
             events = meter.allocator.events
             self._record(plan if after is None else (plan, after), estimate,
-                         lambda limit: replay_capped(events, limit), extra)
+                         lambda limit: replay_capped(events, limit), scaler_bytes(plan))
         return estimate
+
+    def _lay_out(self, meter, device, state, after: Plan | None) -> None:
+        """What the step finds on the device, through `meter`: the parameters (and buffers), then
+        the optimizer `state`, made by a first step of `after` where given (`meter.laid_out`: the
+        blocks laid out before and after the state)."""
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        with meter.as_kind("params"):
+            meter.track(params)
+        laid = meter.laid()
+        if after is None:
+            with meter.as_kind("optimizer"):
+                meter.track(state)
+        else:
+            self._first_step(meter, device, after, state)
+        meter.laid_out = (laid, meter.laid())
+        meter.tracked()
+
+    def _accumulated(self, meter) -> None:
+        """What a micro-batch after the first finds: every gradient, and the loss total so far."""
+        with meter.as_kind("grads"), torch.no_grad():
+            for p in _unique(self.model.parameters()):
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        with meter.as_kind("other"):
+            meter.carried = torch.zeros((), device="cpu")  # the loss total so far
+
+    def _run(self, meter, device, plan: Plan, batch) -> MemoryEstimate:
+        """`plan`'s step on `batch` through `meter`: its peaks, without GradScaler's scalars."""
+        numerics = precisions.get(plan.precision)  # fp16 runs as bf16: see Precision.measured_as
+        run_plan = plan.replace(precision=numerics.measured_as) if numerics.measured_as else plan
+        runner = self._runner(device)
+        meter.start()
+        try:
+            runner.run(batch, run_plan)
+            # Read before close(): bringing offloaded state back is the end of a run.
+            estimate = MemoryEstimate(plan=plan, peak_bytes=meter.top, breakdown=dict(meter.top_breakdown),
+                                      device_type=self.device_type, resident=dict(self.resident),
+                                      step_bytes=meter.step_top,
+                                      reserved_bytes=meter.allocator.max_reserved,
+                                      optimizer=self.optimizer_name)
+            meter.finish()
+            self.last_meter = meter  # what autofit.estimator.sampled extrapolates
+        finally:
+            runner.close()
+        return estimate
+
+
+def scaler_bytes(plan: Plan) -> int:
+    """The bytes GradScaler's scalars add to `plan`'s step (SCALER_BYTES where it has one)."""
+    return SCALER_BYTES if precisions.get(plan.precision).needs_scaler else 0
+
+
+def _with_scaler(estimate: MemoryEstimate) -> MemoryEstimate:
+    """`estimate` with GradScaler's scalars where its plan has one: two small-pool blocks; at most
+    one more 2 MiB segment."""
+    extra = scaler_bytes(estimate.plan)
+    breakdown = dict(estimate.breakdown, other=estimate.breakdown["other"] + extra)
+    return dataclasses.replace(estimate, peak_bytes=estimate.peak_bytes + extra, breakdown=breakdown,
+                               reserved_bytes=estimate.reserved_bytes + extra)
 
 
 def own_reserved(workspaces: Workspaces | None) -> int:

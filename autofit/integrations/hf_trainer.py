@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from autofit.plans import precision as precisions
-from autofit.estimator.capacity import needs_message, rank
+from autofit.estimator.capacity import Fit, Space, make_estimator, needs_message, rank
 from autofit.engine.batches import tokens_per_row
 from autofit.estimator.cost import plan_cost
 from autofit.errors import DoesNotFit
@@ -149,10 +149,12 @@ def estimate_plan(trainer, device, budget: int, rows: int, policy: str):
         # The estimate runs the Trainer's own compute_loss, whose records (a subclass's token count,
         # metrics waiting to be logged) would keep its fake values: kept as they were.
         with kept(trainer):
-            candidates = rank(trainer.model, batch, budget, precision=policy, optimizer=_optimizer(trainer),
-                              loss_fn=_loss_fn(trainer), **headroom(device),
-                              device_type="cuda" if device.type == "cuda" else "cpu",
-                              bf16_supported=device.supports_bf16(), allow_offload=False)
+            room = headroom(device)
+            estimator = make_estimator(trainer.model, batch, _optimizer(trainer), _loss_fn(trainer),
+                                       device_type="cuda" if device.type == "cuda" else "cpu",
+                                       workspaces=room["workspaces"])
+            candidates = rank(estimator, batch, budget, fit=Fit(**room),
+                              space=Space(policy, bf16_supported=device.supports_bf16(), allow_offload=False))
     except Exception as error:
         if isinstance(error, NoLossError) or "did not return a loss" in str(error):
             raise _no_loss(trainer, batch) from error

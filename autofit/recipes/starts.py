@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autofit.estimator.start import SETTLE_WITHIN, budget_caps, estimated_start, longest_batch, make_guide
+from autofit.estimator.start import (SETTLE_WITHIN, TrainingStep, budget_caps, estimated_start, longest_batch,
+                                     make_guide)
 from autofit.plans import precision as precisions
 from autofit.plans.applies import not_applicable
 from autofit.plans.plan import Plan
@@ -77,8 +78,8 @@ def estimated(job, asked: FirstBatch) -> Start | None:
     # The guide's probe is one rank's estimate: under torch.distributed the ranks' agreement steers
     # the search instead.
     guide = None if job.distributed else make_guide(device, job.memo.calibration(budget_caps(device)), job.model)
-    found = estimated_start(job.model, lockstep.local(batch), job.optimizer, job.loss_fn,
-                            lockstep.estimate_view(device), job.precision, job.sizes,
+    step = TrainingStep(job.model, lockstep.local(batch), job.optimizer, job.loss_fn)
+    found = estimated_start(step, lockstep.estimate_view(device), job.precision, job.sizes,
                             coupling=job.coupling, guide=guide)
     if found is None:
         return None

@@ -25,7 +25,7 @@ from autofit.plans import precision as precisions
 from autofit.plans import switches
 from autofit.engine.batches import rows_of, tokens_per_row
 from autofit.engine.token_loss import token_counter
-from autofit.estimator.capacity import rank
+from autofit.estimator.capacity import Fit, Space, make_estimator, rank
 from autofit.estimator.cost import micro_batch_sizes, plan_cost
 from autofit.engine.controller import Controller, Policy
 from autofit.errors import DoesNotFit
@@ -33,7 +33,7 @@ from autofit.gpu.oom import collect
 from autofit.plans.ladder import Move
 from autofit.plans.sizelog import SizeLog, config_of
 from autofit.plans.plan import Plan
-from autofit.estimator.start import estimated_start, headroom, tensor_budget
+from autofit.estimator.start import TrainingStep, estimated_start, headroom, tensor_budget
 from autofit.engine.step import StepRunner
 
 HALVINGS = 2  # smaller micro-batches per configuration: about 1/2 and 1/4 of the largest that fits
@@ -160,7 +160,7 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
     (`estimated_start`), the fitting plans of the other precision when the policy is "auto", and
     for each configuration its largest fitting micro-batch with about 1/2 and 1/4 of it. The
     default comes first, then the others by `cost.plan_cost`, fastest first."""
-    started = estimated_start(model, batch, optimizer, loss_fn, device, precision, SizeLog())
+    started = estimated_start(TrainingStep(model, batch, optimizer, loss_fn), device, precision, SizeLog())
     if started is None:  # nothing to check against, or the estimator cannot follow the model
         default = Plan.for_batch(global_batch, precision=precisions.start_precision(precision))
     else:
@@ -168,11 +168,13 @@ def search_space(model, batch, optimizer, loss_fn, device, precision, global_bat
     fitting = [default]
     if precision == precisions.AUTO and started is not None:
         allowed = precisions.allowed(precision, device.supports_bf16())
+        room = headroom(device)
         for other in [p for p in allowed if p != default.precision]:
-            fitting += [c.plan for c in rank(model, batch, tensor_budget(device), precision=other,
-                                             optimizer=optimizer, loss_fn=loss_fn, **headroom(device),
-                                             device_type="cuda" if device.type == "cuda" else "cpu",
-                                             bf16_supported=device.supports_bf16()) if c.fits]
+            estimator = make_estimator(model, batch, optimizer, loss_fn, workspaces=room["workspaces"],
+                                       device_type="cuda" if device.type == "cuda" else "cpu")
+            fitting += [c.plan for c in rank(estimator, batch, tensor_budget(device), fit=Fit(**room),
+                                             space=Space(other, bf16_supported=device.supports_bf16()))
+                        if c.fits]
     largest: dict[tuple, Plan] = {}  # per configuration (precision and switches), its largest fitting plan
     for plan in fitting:
         top = largest.get(config_of(plan))
