@@ -153,20 +153,23 @@ def ask_reduction(model, batch, loss_fn, device, probing):
     than two rows or the probe failed (said, never fatal)."""
     try:
         with probing(model, device) as inner, state_kept(inner):  # copies in host memory
-            def loss_of(part):
-                part = device.to_device(part)
-                if loss_fn is not None:
-                    loss = loss_and_kept(loss_fn(_Forward(inner), part))[0]
-                else:
-                    out = inner.forward(**part) if isinstance(part, Mapping) else \
-                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
-                    loss = out if isinstance(out, torch.Tensor) else output_loss(out)
-                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
-            return probe_reduction(loss_of, batch)
+            return probe_reduction(lambda part: _probe_loss(inner, part, loss_fn, device), batch)
     except Exception as error:  # noqa: BLE001 -- a probe never stops a run; training will show the error
         log.info("cannot ask how the loss reduces over its batch (%s: %s); micro-batches are weighted as "
                  "before", type(error).__name__, error)
         return None
+
+
+def _probe_loss(inner, part, loss_fn, device) -> float:
+    """The loss of one probe `part` (the loss_fn's, or the model's own), NaN when it is not a scalar."""
+    part = device.to_device(part)
+    if loss_fn is not None:
+        loss = loss_and_kept(loss_fn(_Forward(inner), part))[0]
+    else:
+        out = inner.forward(**part) if isinstance(part, Mapping) else \
+            inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
+        loss = out if isinstance(out, torch.Tensor) else output_loss(out)
+    return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
 
 
 # Draws of the training forward under different seeds: equal losses mean it draws nothing at random
@@ -202,14 +205,7 @@ def couples_in_training(model, batch, loss_fn, device, probing, kind: str) -> st
             rows = probe_rows(batch)
             def loss_of(part, seed):
                 _seed(seed)
-                part = device.to_device(part)
-                if loss_fn is not None:
-                    loss = loss_and_kept(loss_fn(_Forward(inner), part))[0]
-                else:
-                    out = inner.forward(**part) if isinstance(part, Mapping) else \
-                        inner.forward(*part) if isinstance(part, (list, tuple)) else inner.forward(part)
-                    loss = out if isinstance(out, torch.Tensor) else output_loss(out)
-                return loss.item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else math.nan
+                return _probe_loss(inner, part, loss_fn, device)
             both = [loss_of(rows[2], seed) for seed in SEEDS]
             if len(set(both)) > 1:
                 return None
