@@ -8,6 +8,15 @@ import pytest
 from autofit.engine.interrupts import SigintHold
 
 
+def _two_installed():
+    """(the handler before, two runs' holds installed in turn)."""
+    before = signal.getsignal(signal.SIGINT)
+    first, second = SigintHold(), SigintHold()
+    first.install()
+    second.install()
+    return before, first, second
+
+
 @pytest.mark.parametrize("close_order", ["opened", "reversed"])
 def test_two_runs_put_back_the_handler_before_them_in_either_order(close_order):
     before = signal.getsignal(signal.SIGINT)
@@ -23,10 +32,7 @@ def test_two_runs_put_back_the_handler_before_them_in_either_order(close_order):
 
 
 def test_a_ctrl_c_while_one_run_holds_is_recorded_by_it_and_raised_at_its_delivery():
-    before = signal.getsignal(signal.SIGINT)
-    first, second = SigintHold(), SigintHold()
-    first.install()
-    second.install()
+    before, first, second = _two_installed()
     second.hold()
     signal.raise_signal(signal.SIGINT)  # recorded, not raised: the update is being applied
     assert (first.caught, second.caught) == (False, True)
@@ -38,10 +44,7 @@ def test_a_ctrl_c_while_one_run_holds_is_recorded_by_it_and_raised_at_its_delive
 
 
 def test_a_ctrl_c_nobody_holds_acts_at_once_and_takes_the_handler_away():
-    before = signal.getsignal(signal.SIGINT)
-    first, second = SigintHold(), SigintHold()
-    first.install()
-    second.install()
+    before, first, second = _two_installed()
     with pytest.raises(KeyboardInterrupt):
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before

@@ -61,8 +61,8 @@ def test_a_step_after_another_makes_the_calls_of_walking_both(build, batch, work
             assert replay_capped(laid, cap) == replay_capped(events, cap)
 
 
-def test_each_plan_is_walked_once_whatever_it_follows(monkeypatch):
-    estimator = Estimator(tiny_gpt2(), gpt2_batch(ROWS), device_type="cpu")
+def _counted_walks(monkeypatch) -> list:
+    """The walks the estimator makes from now on: (micro-batch, after, whole) each."""
     walks = []
     measure = Estimator._measure
 
@@ -70,6 +70,12 @@ def test_each_plan_is_walked_once_whatever_it_follows(monkeypatch):
         walks.append((p.micro_batch_size, after, whole))
         return measure(self, p, after, whole)
     monkeypatch.setattr(Estimator, "_measure", counted)
+    return walks
+
+
+def test_each_plan_is_walked_once_whatever_it_follows(monkeypatch):
+    estimator = Estimator(tiny_gpt2(), gpt2_batch(ROWS), device_type="cpu")
+    walks = _counted_walks(monkeypatch)
     for then, first in ((6, 6), (4, 6), (6, 4), (4, 4), (6, 6)):
         estimator.measure(plan(then), after=plan(first))
     assert walks == [(6, None, True), (4, None, True)]
@@ -100,13 +106,7 @@ def test_a_step_whose_walk_has_no_record_is_walked_whole(monkeypatch):
 def test_a_plan_asked_again_is_answered_from_its_first_walk(monkeypatch):
     from test_calibrate import LM_ROWS, gpt2, lm_batches  # MiB-sized blocks: a cap changes the replay
     estimator = Estimator(gpt2(), lm_batches(1)[0], device_type="cpu")
-    walks = []
-    measure = Estimator._measure
-
-    def counted(self, p, after=None, whole=False):
-        walks.append((p.micro_batch_size, after, whole))
-        return measure(self, p, after, whole)
-    monkeypatch.setattr(Estimator, "_measure", counted)
+    walks = _counted_walks(monkeypatch)
     sixteen, eight = Plan.for_batch(LM_ROWS, 16, precision="fp32"), Plan.for_batch(LM_ROWS, 8, precision="fp32")
     first, other, again = (estimator.measure(p) for p in (sixteen, eight, sixteen))
     assert walks == [(16, None, False), (8, None, False)]

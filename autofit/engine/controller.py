@@ -142,6 +142,7 @@ class Controller:
         # LazyLinear) and optimizer state belong to the job, not to the failed attempt: `grows`.
         self.attempter = Attempter(self.device, lambda: (runner.model, runner.optimizer), grows=True,
                                    free=forget_attempt)
+        self._read_failure = partial(read_failure, runner)
         # Leaves outside the model keep their gradients; a sharded model's own leaves are FSDP's business.
         self._before_backward = None if runner.distributed else start.reached
 
@@ -153,7 +154,7 @@ class Controller:
     def close(self) -> None:
         """The run is over: let go of the runner, the start state and the attempter, which hold the
         model's optimizer (the caller decides how long that lives)."""
-        self.runner = self.start = self.attempter = self._before_backward = None
+        self.runner = self.start = self.attempter = self._before_backward = self._read_failure = None
 
     def train(self, batch, step: int, shape: tuple | None = None) -> float:
         """Train one global batch; returns its loss. Raises DoesNotFit when nothing fits. `shape`:
@@ -230,7 +231,7 @@ class Controller:
         self.plan, self.reason = plan, search.reason
         # begin(): a replay starts from the RNG, buffers, param_groups and batch as before
         outcome = self.attempter(lambda: self.runner.run(self.start.begin(), plan, self._before_backward),
-                                 inspect=partial(read_failure, self.runner), peak=self.runner.attempt_peak,
+                                 inspect=self._read_failure, peak=self.runner.attempt_peak,
                                  also=self._withdrawable(search))
         self._tried.add(plan)
         if outcome.ok:
