@@ -171,7 +171,8 @@ class LeakWatch:
             return []
 
     def _after_step(self, step, plan, batch, allocated) -> list[dict]:
-        if plan != self._plan:
+        moved = plan != self._plan
+        if moved:
             self._legit_at = None  # a new plan may hold its state elsewhere (offload)
         left = self.leftover(batch, allocated)
         new = []
@@ -179,7 +180,7 @@ class LeakWatch:
             self._first_scan_done = True
             if left > self.tolerance or self.device.type == "cuda":
                 new += self._scan(step, batch, growth=None)
-        if self._last is None or plan != self._plan:
+        if self._last is None or moved:
             self._streak, self._snapshot = 0, None
         elif left > self._last + self.tolerance:
             if self._streak == 0:

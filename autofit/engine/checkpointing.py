@@ -38,7 +38,8 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autofit.engine.model_state import module_generators, switch_writes
+from autofit.engine.model_state import immutable, module_generators, switch_writes
+from autofit.engine.module_tree import registrations
 from autofit.engine.replay import python_rng_state, set_python_rng_state
 from autofit.integrations import transformers_internals as hf_internals
 from autofit.plans.coupling import coupled_modules
@@ -122,11 +123,11 @@ class _Recompute:
 
     @contextlib.contextmanager
     def _forward(self):
+        modules, buffers, self.generators = _parts(self.block)
         with torch.no_grad():  # copies on the device: the host waits for nothing
-            self.found = [(b, b.clone()) for b in _buffers(self.block)]
-        self.generators = module_generators(self.block)
+            self.found = [(b, b.clone()) for b in buffers]
         self.found_rng = _rng(self.generators)
-        found_attributes = plain_attributes(self.block)
+        found_attributes = plain_attributes(modules)
         yield
         self.changed_attributes = [(m, name, value) for m, name, value in found_attributes
                                    if vars(m).get(name, _ABSENT) != value]
@@ -159,6 +160,22 @@ class _Recompute:
             self.found = []
 
 
+# block -> (registrations at its walk, its modules, its buffers, its generators): every checkpointed
+# call of a block reads these, every step; the block is walked again only after a module or a
+# buffer was registered somewhere (engine/module_tree).
+_WALKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _parts(block) -> tuple[list, list, list]:
+    """(the block's modules, `_buffers(block)`, its generators), from the block's last walk."""
+    key = registrations()
+    walked = _WALKED.get(block)
+    if walked is None or walked[0] != key:
+        walked = (key, list(block.modules()), _buffers(block), module_generators(block))
+        _WALKED[block] = walked
+    return walked[1:]
+
+
 def _buffers(block) -> list:
     """The block's buffers but those of the batch-coupled layers inside it: the coupling guard
     (plans/coupling) puts theirs back when the backward ends, for any checkpointing (a coupled
@@ -168,16 +185,14 @@ def _buffers(block) -> list:
 
 
 _ABSENT = object()  # an attribute the forward found missing
-_NUMBERS = (bool, int, float, str, type(None))
 
 
-def plain_attributes(block) -> list:
-    """(module, name, value) of the public attributes of the block's modules that hold a number, a
-    string or a tuple of them (a call counter, a temperature schedule's step): what a forward may
-    move with `self.calls += 1`. Values of these kinds are immutable, so no copy is needed."""
-    return [(m, name, value) for m in block.modules() for name, value in vars(m).items()
-            if not name.startswith("_") and (isinstance(value, _NUMBERS) or
-                                              isinstance(value, tuple) and all(isinstance(v, _NUMBERS) for v in value))]
+def plain_attributes(modules) -> list:
+    """(module, name, value) of the public attributes of `modules` that hold a number, a string or
+    a tuple of them (a call counter, a temperature schedule's step): what a forward may move with
+    `self.calls += 1`. Values of these kinds are immutable, so no copy is needed."""
+    return [(m, name, value) for m in modules for name, value in vars(m).items()
+            if not name.startswith("_") and immutable(value)]
 
 
 def _set_attributes(saved) -> None:

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard (no collective), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
+from autofit.engine.optimizer_state import local
 
 
 class HostCopies:
@@ -30,15 +26,15 @@ class HostCopies:
         self._kept: dict = {}  # key -> host tensor, written again by the next capture
 
     def take(self, key, tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor.detach())
+        shard = local(tensor.detach())
         host = self._kept.get(key)
-        if host is None or host.dtype != local.dtype or host.shape != local.shape \
-                or host.stride() != local.stride():
+        if host is None or host.dtype != shard.dtype or host.shape != shard.shape \
+                or host.stride() != shard.stride():
             with self.device.host():
-                host = self.device.host_empty(local)
+                host = self.device.host_empty(shard)
             self._kept[key] = host
         with torch.no_grad():
-            host.copy_(local, non_blocking=True)
+            host.copy_(shard, non_blocking=True)
         self.copies += 1
         return host
 

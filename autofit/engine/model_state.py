@@ -36,6 +36,7 @@ import torch
 from autofit import torch_internals as ti
 from autofit.engine.host_copies import HostCopies
 from autofit.engine.module_tree import ModuleTree
+from autofit.engine.optimizer_state import local
 
 log = logging.getLogger("autofit")
 
@@ -44,14 +45,8 @@ log = logging.getLogger("autofit")
 LEARN_STEPS = 2
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard (no collective), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return _local(tensor.detach()).to("cpu", copy=True)
+    return local(tensor.detach()).to("cpu", copy=True)
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -152,7 +147,7 @@ class Untrained:
                                     "left. It is kept from the next step on.", type(module).__name__, name)
                     self.written.add((id(module), name))
                     continue
-                _local(p).copy_(host)  # always: native kernels write without moving `_version`
+                local(p).copy_(host)  # always: native kernels write without moving `_version`
                 entry[4] = ti.version(p)
 
 
@@ -313,7 +308,7 @@ class Attributes:
         with torch.no_grad():
             for module, name, value, kind, saved in self.contents:
                 if kind == TENSOR:
-                    _local(value).copy_(saved)
+                    local(value).copy_(saved)
                 elif kind == GENERATOR:
                     value.set_state(saved)
                 else:
@@ -429,7 +424,7 @@ class Gradients:
 def _on_device(host: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """`host` (a copy of a local shard) as a gradient of `tensor`: on its device, a DTensor again
     when `tensor` is one."""
-    value = host.to(_local(tensor).device, copy=True)  # a copy: the host one serves the next replay
+    value = host.to(local(tensor).device, copy=True)  # a copy: the host one serves the next replay
     if hasattr(tensor, "to_local"):
         from torch.distributed.tensor import DTensor
         return DTensor.from_local(value, tensor.device_mesh, tensor.placements, shape=tensor.shape,

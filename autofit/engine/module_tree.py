@@ -57,6 +57,13 @@ def _watch_registrations() -> None:
                  hooks.register_module_buffer_registration_hook(_buffer_registered))
 
 
+def registrations() -> tuple[int, int]:
+    """(modules, buffers) registered anywhere in this process so far: what is derived from a walk
+    of a module is stale once this moved."""
+    _watch_registrations()
+    return _registrations[0], _buffer_registrations[0]
+
+
 class ModuleTree:
     """`modules()`: the model's modules as `model.modules()` lists them, walked again only after a
     module was registered somewhere (or after `refresh()`); `walks` counts the walks."""

@@ -284,6 +284,13 @@ class CudaDevice(Device):
         self._fold_peaks()
         torch.cuda.reset_peak_memory_stats(self.index)
 
+    def _fold_peaks(self) -> None:
+        # Both peaks from one read of the allocator's statistics (torch's max_memory_allocated and
+        # max_memory_reserved would each build them): a reset comes with every attempt.
+        stats = torch.cuda.memory_stats(self.index)
+        self._peaks = (max(self._peaks[0], stats.get("allocated_bytes.all.peak", 0)),
+                       max(self._peaks[1], stats.get("reserved_bytes.all.peak", 0)))
+
     def empty_cache(self):
         torch.cuda.empty_cache()
 
