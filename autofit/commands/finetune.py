@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from autofit.commands.quantized import KINDS
 from autofit.errors import UsageError
 
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adafactor", "adamw8bit")
@@ -34,7 +35,7 @@ OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD", "sgd-momentum": "SGD with mom
 TRAINABLE = ("full", "frozen-base", "lora")
 WEIGHTS = ("fp32", "bf16", "fp16", "nf4", "int8")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # weights cast whole
-QUANTIZED = ("nf4", "int8")  # a frozen base's linear layers quantized, the rest as built
+QUANTIZED = KINDS  # a frozen base's linear layers quantized, the rest as built
 # The options that need a package autofit does not depend on: (flag, value) -> the package.
 NEEDS = {("--optimizer", "adamw8bit"): "bitsandbytes", ("--trainable", "lora"): "peft"}
 

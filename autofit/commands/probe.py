@@ -86,7 +86,7 @@ def cmd_probe(args) -> int:
     result, shown = _result(header, candidates, budget, kept, args.weights)
     code = _probe_report(args, result, shown)
     if code == EXIT_OK and args.verify:
-        code = _verify(args, budget, capacity.choose(candidates))
+        code = _verify(args, budget, shown)  # a plan fits: the one shown is the one chosen
     return code
 
 

@@ -103,7 +103,14 @@ def make_estimator(model, batch, optimizer=None, loss_fn=None, *, device_type: s
 def unplaced(estimator, workspaces, caps: str) -> int:
     """The device's own bytes `estimator`'s estimates do not hold (a sharded estimate's: FSDP2's
     estimator prices tensors only), kept back from the budget instead."""
-    if workspaces is None or getattr(estimator, "workspaces", None) is workspaces:
+    if getattr(estimator, "workspaces", None) is workspaces:
+        return 0
+    return own_bytes(workspaces, caps)
+
+
+def own_bytes(workspaces, caps: str) -> int:
+    """The bytes of the device's own an estimate of `caps` holds (a constant, whatever the plan)."""
+    if workspaces is None:
         return 0
     from autofit.estimator.estimate import own_reserved
     return own_reserved(workspaces) if caps == "reserved" else workspaces.resident

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autofit.engine.batches import rows_of, row_elements
-from autofit.estimator.capacity import (Fit, Space, choose, leanest, make_estimator, needs_message, no_offload, rank,
-                                        usable_bytes)
-from autofit.estimator.estimate import own_reserved
+from autofit.estimator.capacity import (Fit, Space, choose, leanest, make_estimator, needs_message, no_offload,
+                                        own_bytes, rank, usable_bytes)
 from autofit.estimator.guide import Guide
 from autofit.gpu.workspaces import Workspaces
 from autofit.errors import DoesNotFit, one_line
@@ -77,13 +76,6 @@ def make_guide(device, calibration: float | None = None, model=None) -> Guide | 
     constant = own_bytes(room["workspaces"], room["caps"])
     return Guide(device, room["caps"], usable_bytes(budget, reserve=room["reserve"]), calibration,
                  constant=constant)
-
-
-def own_bytes(workspaces, caps: str) -> int:
-    """The bytes of the device's own an estimate of `caps` holds (a constant, whatever the plan)."""
-    if workspaces is None:
-        return 0
-    return own_reserved(workspaces) if caps == "reserved" else workspaces.resident
 
 
 def longest_batch(data, first):

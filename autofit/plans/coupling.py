@@ -197,7 +197,7 @@ class Coupling:
             for saved in self._pending.values():
                 for buffer, copy in saved:
                     buffer.copy_(copy)
-        self._pending, self._task = {}, None
+        self.forget()
 
     def forget(self) -> None:
         """A failed attempt's backward never ended: its copies go (the start state puts the buffers back)."""

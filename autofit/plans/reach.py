@@ -52,7 +52,7 @@ def sizes_down(global_batch: int) -> list[int]:
     while size >= 1:
         found.append(size)
         size //= 2
-    return found if found[-1] == 1 else found + [1]
+    return found  # halvings of a size of at least 1 end at 1
 
 
 class Reach(Move):
