@@ -168,14 +168,15 @@ class Training:
         """The first answer of the start strategies (recipes/starts.py), decided by rank 0 under
         torch.distributed (its cache, or the smallest budget of all ranks), then made whole for a
         batch-coupled job and explicit about FSDP2's resharding."""
-        chosen = []  # the agreement carries plan, reason and settle_within; the guide stays here
+        # The agreement carries plan, reason and settle_within; the guide stays with the process
+        # that chose (a single process only: ranks' agreements steer them instead).
+        self.guide = None
 
         def choose():
-            chosen.append(first_start(self, asked))
-            return chosen[-1].plan, chosen[-1].reason, chosen[-1].settle_within
+            start = first_start(self, asked)
+            self.guide = start.guide
+            return start.plan, start.reason, start.settle_within
         plan, reason, settle_within = self.lockstep.agree_start(choose, self.sizes)
-        # A guide is made by a single process only (ranks' agreements steer them instead).
-        self.guide = chosen[-1].guide if chosen else None
         if self.lockstep.sharded is not None and plan.reshard_after_forward is None:
             # FSDP2's setting made explicit (the model's own), so the ladder can step from it
             plan = plan.replace(reshard_after_forward=user_reshard_after_forward(self.model))
