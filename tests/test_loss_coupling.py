@@ -109,12 +109,14 @@ def test_a_missing_loss_is_reported_as_missing_without_a_reduction_warning(caplo
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_a_loader_that_yields_single_samples_is_named():
+@pytest.mark.parametrize("entry", ["run", "tune"])
+def test_a_loader_that_yields_single_samples_is_named(entry):
     data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     with pytest.raises(ValueError, match=re.escape(
             "batch[1] is a 0-dimensional tensor and cannot be split along dimension 0; give every tensor of a "
             "batch a leading batch dimension. data is a DataLoader with batch_size=None, which yields one sample "
             "at a time, not a global batch; give the DataLoader batch_size=<global batch>, or pass its dataset "
             "with batch_size=<global batch>.")):
-        autofit.run(nn.Linear(4, 2), DataLoader(data, batch_size=None), progress=False, cache=False,
-                    loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+        options = {"progress": False} if entry == "run" else {"budget": "64MiB"}
+        getattr(autofit, entry)(nn.Linear(4, 2), DataLoader(data, batch_size=None), cache=False,
+                                loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), **options)

@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from autofit.engine.batches import dataset_batches
+from autofit.engine.batches import dataset_batches, rows_of
 from autofit.engine.optimizers import check_steppable, from_factory
 from autofit.engine.reading import Epochs
 
@@ -42,6 +42,24 @@ def global_batches(data, batch_size, epochs: int):
                         f"list of batches) but got {type(data).__name__}.")
     epochs_of = Epochs(data, epochs)  # the first batch comes from the first epoch's iterator
     return epochs_of.first, epochs_of
+
+
+def check_splittable(first, data) -> None:
+    """Raise when the first global batch cannot be split into rows, saying so for a DataLoader
+    that yields single samples (batch_size=None)."""
+    try:
+        rows_of(first)
+    except ValueError as error:
+        raise ValueError(f"{error} {_unbatched(data)}".rstrip()) from None
+
+
+def _unbatched(data) -> str:
+    """What to say when `data` is a DataLoader that yields single samples (batch_size=None)."""
+    if getattr(data, "batch_size", 0) is None and getattr(data, "batch_sampler", 0) is None:
+        return ("data is a DataLoader with batch_size=None, which yields one sample at a time, not a "
+                "global batch; give the DataLoader batch_size=<global batch>, or pass its dataset with "
+                "batch_size=<global batch>.")
+    return ""
 
 
 def build_optimizer(optimizer, model):

@@ -6,11 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autofit.engine.batches import rows_of
 from autofit.engine.controller import Attempt
 from autofit.engine.interfaces import Data, MetricFn
 from autofit.recipes.eval_data import check_eval_data
-from autofit.engine.inputs import global_batches
+from autofit.engine.inputs import check_splittable, global_batches
 from autofit.engine.inputs import check_optimizer
 from autofit.engine.inputs import check_positive_int as _check_positive_int
 from autofit.plans.plan import Plan
@@ -106,21 +105,9 @@ def run(model: torch.nn.Module, data: Data, *, epochs: int = 1, batch_size: int 
 keywords(run)
 
 
-def unbatched(data) -> str:
-    """What to say when `data` is a DataLoader that yields single samples (batch_size=None)."""
-    if getattr(data, "batch_size", 0) is None and getattr(data, "batch_sampler", 0) is None:
-        return ("data is a DataLoader with batch_size=None, which yields one sample at a time, not a "
-                "global batch; give the DataLoader batch_size=<global batch>, or pass its dataset with "
-                "batch_size=<global batch>.")
-    return ""
-
-
 def _run(training, data, *, epochs, batch_size, eval_data, metric_fn, tuning: TuneOptions | None):
     first, epoch_batches = global_batches(data, batch_size, epochs)
-    try:
-        rows_of(training.layout.rows_first(first))  # raises on a batch that cannot be split
-    except ValueError as error:
-        raise ValueError(f"{error} {unbatched(data)}".rstrip()) from None
+    check_splittable(training.layout.rows_first(first), data)
     progress = training.progress
     if tuning is not None and training.distributed:
         raise ValueError("tune= runs in one process; call autofit.tune(...) before torch.distributed "

@@ -72,7 +72,7 @@ from autofit.engine.controller import Attempt
 from autofit.engine.interfaces import Data, LossFn, OptimizerArg, Size
 from autofit.gpu.device import open_device
 from autofit.gpu.oom import is_oom, summarize
-from autofit.engine.inputs import build_optimizer, global_batches
+from autofit.engine.inputs import build_optimizer, check_splittable, global_batches
 from autofit.engine.replay import rng_state, set_rng_state
 from autofit.plans.sizelog import SizeLog, config_of
 from autofit.cache.memo import Memo
@@ -130,7 +130,7 @@ def tune(model: torch.nn.Module, data: Data, *, budget: Size | None = None, n_tr
 
     with kept_rng():
         first, epoch_batches = global_batches(data, batch_size, 1)
-        rows_of(first)  # raises on a batch that cannot be split
+        check_splittable(first, data)
         trained = TrialBatches(first, take_batches(epoch_batches(), options.warmup + options.steps),
                                longest_batch(data, first))
         with open_device(budget) as device:
