@@ -364,11 +364,14 @@ class Gradients:
         self.walking = True                  # whether this capture's graphs are walked
         self._captures = 0
         self._found_outside = False          # some walk found a leaf outside the model
-        self._params: tuple | None = None    # (tree walk, ids of the model's parameters)
+        self._params: tuple | None = None    # (the tree's parameter list, their ids)
 
     def _param_ids(self) -> set:
-        if self._params is None or self._params[0] != self.tree.walks:
-            self._params = (self.tree.walks, set(map(id, self.tree.parameters())))
+        # keyed on the tree's parameter list itself: a new list after any registration of a module
+        # or a parameter (a Parameter assigned mid-run is the model's, not a leaf outside it)
+        params = self.tree.parameters()
+        if self._params is None or self._params[0] is not params:
+            self._params = (params, set(map(id, params)))
         return self._params[1]
 
     def capture(self) -> None:

@@ -10,7 +10,7 @@ when a parameter is registered (`register_parameter`, a Parameter assigned as an
 modules holding buffers when a buffer is. A module removed from the tree stays in the list until
 the next walk, which only costs a capture of a module nothing uses. A module put into a container
 without registering it (`ModuleList.insert` writes the container's slots directly) is seen at the
-next registration anywhere, or after `refresh()`.
+next registration anywhere.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def registrations() -> tuple[int, int]:
 
 class ModuleTree:
     """`modules()`: the model's modules as `model.modules()` lists them, walked again only after a
-    module was registered somewhere (or after `refresh()`); `walks` counts the walks."""
+    module was registered somewhere; `walks` counts the walks."""
 
     def __init__(self, model: torch.nn.Module):
         _watch_registrations()
@@ -127,6 +127,3 @@ class ModuleTree:
         """The number of the current walk: what a part caches from the tree is stale when it moved."""
         self.modules()
         return self.walks
-
-    def refresh(self) -> None:
-        self._seen = None
