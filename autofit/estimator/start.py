@@ -163,8 +163,7 @@ def estimated_start(step: TrainingStep, device, precision: str, sizes, *, coupli
     if chosen is None:
         raise _refusal(candidates, budget, device, rows_of(batch), estimator, room, calibration)
     length = row_elements(batch)
-    _record_over(candidates, chosen.plan, sizes, length, usable_bytes(budget, reserve=room["reserve"]),
-                 room["caps"], calibration)
+    _record_over(candidates, chosen.plan, sizes, length, fit.usable(budget, estimator), fit)
     plan, widened = chosen.plan, ""
     if guide is not None and estimator._sampled is None:  # never real steps in the middle of a run
         plan, widened = _widened(guide, estimator, candidates, chosen.plan, sizes, length)
@@ -190,13 +189,13 @@ def _refusal(candidates, budget: int, device, rows: int, estimator, room: dict, 
                       plan=named.plan if named else None)
 
 
-def _record_over(candidates, chosen: Plan, sizes, length, usable: int, caps: str, calibration: float) -> None:
+def _record_over(candidates, chosen: Plan, sizes, length, usable: float, fit: Fit) -> None:
     """Record in `sizes` the chosen configuration's larger sizes predicted over the budget even
     uncalibrated: they bound the upward search (for rows as long as the estimated batch's, the
     longest of a list, and shorter); those only a calibration above 1 rules out stay open to the
     guide's probe, since the run measures its own calibration."""
     for c in candidates:
-        if c.estimate.peak(caps) * min(calibration, 1.0) > usable and config_of(c.plan) == config_of(chosen) \
+        if c.estimate.peak(fit.caps) * min(fit.calibration, 1.0) > usable and config_of(c.plan) == config_of(chosen) \
                 and c.plan.micro_batch_size > chosen.micro_batch_size:
             sizes.record(c.plan, ok=False, length=length)
 
